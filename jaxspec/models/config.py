@@ -1,0 +1,108 @@
+"""Static description of a decoder-only transformer (Qwen3 / Llama-3 families)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+FAMILIES = ("qwen3", "llama")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1 RoPE frequency scaling (HF rope_type "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hashable, static model description; changing any field means a new compile."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    qk_norm: bool = True
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    dtype: str = "float32"
+    attention_backend: str = "reference"
+    family: str = "qwen3"
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"ModelConfig.family={self.family!r}; valid: {FAMILIES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; valid: {DTYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}={value!r}; must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (GQA needs whole groups)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ValueError(
+                f"ModelConfig.rope_scaling={self.rope_scaling!r}; valid: None or Llama3RopeScaling"
+            )
+
+    @property
+    def param_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def tiny(cls, family: str = "qwen3", **overrides) -> ModelConfig:
+        """A ~100k-parameter model for tests and CPU runs.
+
+        qwen3: QK-norm, GQA (4 query heads over 2 KV heads), tied embeddings.
+        llama: no QK-norm, untied embeddings, Llama-3 RoPE scaling with a short original
+        context so that the scaling changes the frequencies used in tests.
+        """
+        if family == "qwen3":
+            base = dict(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                qk_norm=True, tie_embeddings=True, max_position_embeddings=512, family="qwen3",
+            )
+        elif family == "llama":
+            base = dict(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                rope_scaling=Llama3RopeScaling(
+                    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=32,
+                ),
+                rms_norm_eps=1e-5, qk_norm=False, tie_embeddings=False,
+                max_position_embeddings=512, family="llama",
+            )
+        else:
+            raise ValueError(f"ModelConfig.tiny(family={family!r}); valid: {FAMILIES}")
+        base.update(overrides)
+        return cls(**base)
+
+
+def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """Layers whose outputs EAGLE-3 fuses: (1, L//2 - 1, L - 4), clamped into [0, L-1]."""
+    if num_layers <= 0:
+        raise ValueError(f"num_layers={num_layers}; must be positive")
+    return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))

@@ -1,0 +1,419 @@
+"""Hugging Face interop: load a local HF directory into a `Policy`, export one back.
+
+HF tensor names map to our params by one table of key patterns (`_WEIGHTS`); each entry
+knows the HF shape, how to reshape into our layout and back. Nothing here downloads:
+`path` must be a local directory with config.json and *.safetensors (a single file, a
+sharded set with model.safetensors.index.json, or any *.safetensors files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxspec.models.config import DTYPES, Llama3RopeScaling, ModelConfig
+from jaxspec.models.transformer import Policy, param_path
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes an architecture or option this implementation does not cover."""
+
+
+class HFCheckpointError(ValueError):
+    """The checkpoint's tensors do not match the config (missing, unexpected, wrong shape)."""
+
+
+_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
+_FAMILY_ARCH = {v: k for k, v in _ARCHITECTURES.items()}
+_NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+# Non-persistent buffers some older checkpoints carry; never parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def config_from_hf(
+    hf: dict, *, dtype: str | None = None, attention_backend: str = "reference"
+) -> ModelConfig:
+    """ModelConfig from a parsed HF config.json (transformers 4 and 5 spellings)."""
+    archs = list(hf.get("architectures") or [])
+    model_type = hf.get("model_type")
+    family = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
+    if family is None and not archs:
+        family = _MODEL_TYPES.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs or None} (model_type={model_type!r}); "
+            f"supported: {sorted(_ARCHITECTURES)}"
+        )
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (need 'silu')")
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if hf.get(flag):
+            problems.append(f"{flag}=True")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        problems.append(f"per-layer-type rope parameters {sorted(rope)}")
+        rope = {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append("partial_rotary_factor != 1")
+    scaling = None
+    if rope_type == "llama3":
+        try:
+            scaling = Llama3RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            problems.append(f"llama3 rope parameters lack {e.args[0]!r}")
+    elif rope_type != "default":
+        problems.append(f"rope_type={rope_type!r} (supported: 'default', 'llama3')")
+    if problems:
+        raise UnsupportedModelError(
+            f"unsupported {archs or model_type} configuration: " + "; ".join(problems)
+        )
+    if dtype is None:
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        dtype = dtype if dtype in DTYPES else "float32"
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qk_norm=family == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+        dtype=dtype,
+        attention_backend=attention_backend,
+        family=family,
+    )
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    """config.json for Qwen3ForCausalLM / LlamaForCausalLM (read by transformers 4.51+ and 5)."""
+    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    legacy_scaling = None
+    if config.rope_scaling is not None:
+        legacy_scaling = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
+        rope = {**legacy_scaling, "rope_theta": config.rope_theta}
+    hf = {
+        "architectures": [_FAMILY_ARCH[config.family]],
+        "model_type": config.family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rope_theta": config.rope_theta,  # transformers 4
+        "rope_scaling": legacy_scaling,  # transformers 4
+        "rope_parameters": rope,  # transformers 5
+        "dtype": config.dtype,
+        "torch_dtype": config.dtype,
+        "use_cache": True,
+    }
+    if config.family == "qwen3":
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
+    else:
+        hf.update(mlp_bias=False, pretraining_tp=1)
+    return hf
+
+
+# --------------------------------------------------------------------------- weight table
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    hf_name: str  # "{i}" stands for the layer index
+    path: tuple[str, ...]  # our param path (layer params are stacked on axis 0)
+    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    when: Callable[[ModelConfig], bool] = lambda c: True
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf_name
+
+
+def _same(w, c):
+    return w
+
+
+def _transpose(w, c):
+    return w.T
+
+
+def _w(hf_name, path, hf_shape, to_ours=_same, to_hf=_same, when=lambda c: True):
+    return _Weight(hf_name, tuple(path.split(".")), hf_shape, to_ours, to_hf, when)
+
+
+_LAYER = "model.layers.{i}."
+_WEIGHTS = (
+    _w("model.embed_tokens.weight", "embed_tokens", lambda c: (c.vocab_size, c.hidden_size)),
+    _w("model.norm.weight", "norm.scale", lambda c: (c.hidden_size,)),
+    _w("lm_head.weight", "lm_head", lambda c: (c.vocab_size, c.hidden_size),
+       _transpose, _transpose, when=lambda c: not c.tie_embeddings),
+    _w(_LAYER + "input_layernorm.weight", "layers.input_layernorm.scale",
+       lambda c: (c.hidden_size,)),
+    _w(_LAYER + "post_attention_layernorm.weight", "layers.post_attention_layernorm.scale",
+       lambda c: (c.hidden_size,)),
+    # q/k/v: HF [heads*head_dim, H] <-> ours [H, heads, head_dim]
+    _w(_LAYER + "self_attn.q_proj.weight", "layers.self_attn.q_proj",
+       lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+       lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, c.head_dim),
+       lambda w, c: w.reshape(c.hidden_size, -1).T),
+    _w(_LAYER + "self_attn.k_proj.weight", "layers.self_attn.k_proj",
+       lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+       lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+       lambda w, c: w.reshape(c.hidden_size, -1).T),
+    _w(_LAYER + "self_attn.v_proj.weight", "layers.self_attn.v_proj",
+       lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+       lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+       lambda w, c: w.reshape(c.hidden_size, -1).T),
+    # o: HF [H, heads*head_dim] <-> ours [heads, head_dim, H]
+    _w(_LAYER + "self_attn.o_proj.weight", "layers.self_attn.o_proj",
+       lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+       lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+       lambda w, c: w.reshape(-1, c.hidden_size).T),
+    _w(_LAYER + "self_attn.q_norm.weight", "layers.self_attn.q_norm.scale",
+       lambda c: (c.head_dim,), when=lambda c: c.qk_norm),
+    _w(_LAYER + "self_attn.k_norm.weight", "layers.self_attn.k_norm.scale",
+       lambda c: (c.head_dim,), when=lambda c: c.qk_norm),
+    _w(_LAYER + "mlp.gate_proj.weight", "layers.mlp.gate_proj",
+       lambda c: (c.intermediate_size, c.hidden_size), _transpose, _transpose),
+    _w(_LAYER + "mlp.up_proj.weight", "layers.mlp.up_proj",
+       lambda c: (c.intermediate_size, c.hidden_size), _transpose, _transpose),
+    _w(_LAYER + "mlp.down_proj.weight", "layers.mlp.down_proj",
+       lambda c: (c.hidden_size, c.intermediate_size), _transpose, _transpose),
+)
+
+
+def _expected(config: ModelConfig) -> dict[str, tuple[_Weight, int | None]]:
+    """HF tensor name -> (table entry, layer index or None) for this config."""
+    out = {}
+    for w in _WEIGHTS:
+        if not w.when(config):
+            continue
+        if w.per_layer:
+            for i in range(config.num_layers):
+                out[w.hf_name.format(i=i)] = (w, i)
+        else:
+            out[w.hf_name] = (w, None)
+    return out
+
+
+def _optional(name: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that we do not need."""
+    if name.endswith(_IGNORED_SUFFIXES):
+        return True
+    return config.tie_embeddings and name == "lm_head.weight"  # a tied head saved anyway
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _read_json(file: pathlib.Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{file} is not valid JSON: {e}") from None
+
+
+def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """HF tensor name -> the safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFCheckpointError(f"{index} has no 'weight_map'")
+        files = {name: path / file for name, file in weight_map.items()}
+        absent = sorted({str(f) for f in files.values() if not f.is_file()})
+        if absent:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {absent}")
+        return files
+    single = path / "model.safetensors"
+    candidates = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+    if not candidates:
+        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {path}"
+            + (f" (found {others}; convert them to safetensors first)" if others else "")
+        )
+    files = {}
+    for file in candidates:
+        with safe_open(str(file), framework="np") as f:
+            for name in f.keys():
+                files[name] = file
+    return files
+
+
+def _shapes(files: dict[str, pathlib.Path]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="np") as f:
+            present = set(f.keys())
+            for name in [n for n, p in files.items() if p == file]:
+                if name in present:  # an index may name a tensor its shard lacks
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _check(config: ModelConfig, expected: dict, shapes: dict, where: pathlib.Path) -> None:
+    missing = sorted(n for n in expected if n not in shapes)
+    unexpected = sorted(n for n in shapes if n not in expected and not _optional(n, config))
+    mismatched = []
+    for name, (w, _) in expected.items():
+        if name in shapes and shapes[name] != w.hf_shape(config):
+            mismatched.append(f"{name}: checkpoint {shapes[name]}, config {w.hf_shape(config)}")
+    problems = []
+
+    def show(items):
+        return ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+
+    if missing:
+        problems.append(f"missing tensors: {show(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {show(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {show(mismatched)}")
+    if problems:
+        arch = _FAMILY_ARCH[config.family]
+        raise HFCheckpointError(
+            f"checkpoint {where} does not match its {arch} config "
+            f"(layers={config.num_layers}, tied={config.tie_embeddings}): " + "; ".join(problems)
+        )
+
+
+def load_hf(
+    path,
+    dtype: str | None = None,
+    *,
+    attention_backend: str = "reference",
+    shardings=None,
+) -> Policy:
+    """Load a local HF Qwen3 / Llama-3 checkpoint directory into a Policy.
+
+    dtype: "float32" | "bfloat16" | None (the checkpoint's dtype if one of those, else
+    float32). shardings: None, one `jax.sharding.Sharding` for every param, or a pytree
+    with the params' structure (e.g. from `nnx.get_named_sharding`); each tensor is put
+    straight onto its sharding.
+    """
+    path = pathlib.Path(os.fspath(path)).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"HF checkpoint directory {str(path)!r} does not exist (load_hf reads local "
+            "directories only; nothing is downloaded)"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} is missing: a HF checkpoint needs config.json")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"load_hf dtype={dtype!r}; valid: {DTYPES} or None")
+    config = config_from_hf(
+        _read_json(config_file), dtype=dtype, attention_backend=attention_backend
+    )
+    files = _tensor_files(path)
+    expected = _expected(config)
+    _check(config, expected, _shapes(files), path)
+
+    # Read each file once, convert into our layout and dtype, stack layers.
+    np_dtype = _NP_DTYPES[config.dtype]
+    by_path: dict[tuple[str, ...], list] = {}
+    for file in sorted({files[name] for name in expected}):
+        with safe_open(str(file), framework="np") as f:
+            for name, (w, layer) in expected.items():
+                if files[name] != file:
+                    continue
+                value = np.asarray(w.to_ours(f.get_tensor(name), config), dtype=np_dtype)
+                slot = by_path.setdefault(w.path, [None] * config.num_layers if w.per_layer else [None])
+                slot[layer if w.per_layer else 0] = value
+    abstract = Policy.abstract(config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract.params)
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        targets = [shardings] * len(leaves)
+    else:
+        targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        if len(targets) != len(leaves):
+            raise ValueError(f"shardings has {len(targets)} leaves; the params have {len(leaves)}")
+    values = []
+    for (keypath, leaf), target in zip(leaves, targets):
+        parts = by_path[param_path(keypath)]
+        value = np.stack(parts) if len(parts) > 1 or leaf.ndim > parts[0].ndim else parts[0]
+        assert value.shape == leaf.shape, (keypath, value.shape, leaf.shape)
+        values.append(jax.device_put(value, target))
+    return abstract.replace(params=jax.tree_util.tree_unflatten(treedef, values))
+
+
+def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and safetensors (sharded with an index past max_shard_bytes)
+    that `transformers` loads as Qwen3ForCausalLM / LlamaForCausalLM."""
+    config = policy.config
+    path = pathlib.Path(os.fspath(path)).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    flat = {
+        param_path(kp): leaf
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(policy.params)[0]
+    }
+    tensors = {}
+    for name, (w, layer) in _expected(config).items():
+        value = np.asarray(jax.device_get(flat[w.path]))
+        value = value[layer] if w.per_layer else value
+        tensors[name] = np.ascontiguousarray(w.to_hf(value, config))
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    for stale in list(path.glob("model*.safetensors")) + [path / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards, start=1):
+            file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in shard})
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": weight_map,
+        }
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=2) + "\n")

@@ -1,0 +1,190 @@
+"""Transformer building blocks shared by the policy and the draft heads (EAGLE-3, MTP).
+
+Every parameter carries logical axis names as nnx metadata (`out_sharding`, with
+`eager_sharding=False` so that no mesh is needed to build a model); a mesh/rules module
+maps them to mesh axes with `nnx.get_partition_spec` under `flax.linen.logical_axis_rules`.
+Logical axes: vocab, embed, heads, kv_heads, head_dim, mlp (and layers, added by stacking).
+
+Numerics follow HF `transformers` in the parameter dtype (norm statistics and RoPE angles
+in float32, cast back before the multiply), so float32 parity is at rounding level and a
+bfloat16 model rounds where the PyTorch one does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.kernels import tree_attention
+from jaxspec.models.config import ModelConfig
+
+INIT_STD = 0.02  # HF initializer_range
+
+
+def logical_param(rngs: nnx.Rngs | None, shape, dtype, axes, *, init="normal") -> nnx.Param:
+    """A parameter tagged with logical axis names, one per dimension."""
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {shape}")
+    if init == "normal":
+        value = (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    elif init == "ones":
+        value = jnp.ones(shape, dtype)
+    else:
+        raise ValueError(f"init={init!r}; valid: 'normal', 'ones'")
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """HF-style RMSNorm: statistics in float32, scale applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype=jnp.float32, axis_name: str = "embed"):
+        self.eps = eps
+        self.scale = logical_param(None, (dim,), dtype, (axis_name,), init="ones")
+
+    def __call__(self, x):  # [..., dim] -> [..., dim]
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return self.scale[...] * normed
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = logical_param(rngs, (hidden_size, intermediate_size), dtype, ("embed", "mlp"))
+        self.up_proj = logical_param(rngs, (hidden_size, intermediate_size), dtype, ("embed", "mlp"))
+        self.down_proj = logical_param(rngs, (intermediate_size, hidden_size), dtype, ("mlp", "embed"))
+
+    def __call__(self, x):  # [B, T, H] -> [B, T, H]
+        gate = jnp.einsum("bth,hm->btm", x, self.gate_proj[...])
+        up = jnp.einsum("bth,hm->btm", x, self.up_proj[...])
+        return jnp.einsum("btm,mh->bth", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2], with Llama-3 scaling if set.
+
+    Computed in float32 with the same operations, in the same order, as transformers:
+    a float64 computation differs from it by an ulp, which at position p shifts the
+    angle by ~p * 1e-7 rad and costs 1e-5-level logit parity.
+    """
+    f32 = np.float32
+    dim = config.head_dim
+    exponent = np.arange(0, dim, 2).astype(f32) / f32(dim)
+    inv_freq = f32(1.0) / (f32(config.rope_theta) ** exponent)
+    scaling = config.rope_scaling
+    if scaling is not None:
+        factor = f32(scaling.factor)
+        low, high = f32(scaling.low_freq_factor), f32(scaling.high_freq_factor)
+        old_len = f32(scaling.original_max_position_embeddings)
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = f32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return np.asarray(inv_freq, f32)
+
+
+def apply_rope(
+    x,  # [B, T, heads, head_dim]
+    positions,  # [B, T] int; negative (padding) positions are treated as 0
+    config: ModelConfig,
+):
+    """Rotary embedding, HF "rotate_half" layout; angles in float32, product in x's dtype."""
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    pos = jnp.maximum(positions, 0).astype(jnp.float32)
+    freqs = pos[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos = jnp.cos(emb).astype(x.dtype)
+    sin = jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with optional QK-norm; attends to a cached prefix plus new tokens.
+
+    `in_features` is the width q/k/v project from (hidden_size by default; EAGLE-3 uses 2H).
+    All attention goes through `jaxspec.kernels.tree_attention` (config.attention_backend).
+    """
+
+    def __init__(self, config: ModelConfig, *, in_features: int | None = None, rngs: nnx.Rngs):
+        self.config = config
+        dtype = config.param_dtype
+        f = config.hidden_size if in_features is None else in_features
+        nq, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = logical_param(rngs, (f, nq, d), dtype, ("embed", "heads", "head_dim"))
+        self.k_proj = logical_param(rngs, (f, nkv, d), dtype, ("embed", "kv_heads", "head_dim"))
+        self.v_proj = logical_param(rngs, (f, nkv, d), dtype, ("embed", "kv_heads", "head_dim"))
+        self.o_proj = logical_param(
+            rngs, (nq, d, config.hidden_size), dtype, ("heads", "head_dim", "embed")
+        )
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, axis_name="head_dim")
+            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, axis_name="head_dim")
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def __call__(
+        self,
+        x,  # [B, T, in_features]
+        positions,  # [B, T] int32
+        k_cache,  # [B, S, kv_heads, head_dim]
+        v_cache,  # [B, S, kv_heads, head_dim]
+        cache_lengths,  # [B] int32, <= S
+        mask,  # [B, T, T] bool: new token i may attend to new token j
+    ):
+        """Returns (out [B, T, H], k_new [B, T, kv_heads, head_dim], v_new) ; k_new is post-RoPE."""
+        q = jnp.einsum("btf,fnd->btnd", x, self.q_proj[...])
+        k = jnp.einsum("btf,fnd->btnd", x, self.k_proj[...])
+        v = jnp.einsum("btf,fnd->btnd", x, self.v_proj[...])
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, positions, self.config)
+        k = apply_rope(k, positions, self.config)
+        out = tree_attention(
+            q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), cache_lengths, k, v, mask,
+            backend=self.config.attention_backend,
+        )
+        return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...]), k, v
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = config.param_dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=dtype
+        )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x,  # [B, T, H]
+        positions,  # [B, T]
+        k_cache,  # [B, S, kv_heads, head_dim]
+        v_cache,  # [B, S, kv_heads, head_dim]
+        cache_lengths,  # [B]
+        mask,  # [B, T, T] bool
+    ):
+        """Returns (x_out [B, T, H], k_new [B, T, kv_heads, head_dim], v_new)."""
+        attn, k, v = self.self_attn(
+            self.input_layernorm(x), positions, k_cache, v_cache, cache_lengths, mask
+        )
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v

@@ -1,0 +1,296 @@
+"""The policy transformer and the `Policy` pytree with one forward.
+
+One forward serves prefill (ragged prompts), decode (T=1) and draft-tree verification
+(T=N+1 fed tokens under an ancestor mask). Layers are stacked on a leading `layers` axis
+and run by one `jax.lax.scan`, so compile time and HLO size do not grow with depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.models.cache import CacheOverflowError, KVCache, compact
+from jaxspec.models.config import ModelConfig, default_eagle3_layers
+from jaxspec.models.layers import (
+    INIT_STD,
+    MLP,
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    apply_rope,
+    logical_param,
+)
+
+# Building blocks re-exported for modules that import them from here (the EAGLE-3 head).
+__all__ = [
+    "MLP",
+    "Attention",
+    "CacheOverflowError",
+    "DecoderLayer",
+    "KVCache",
+    "Policy",
+    "RMSNorm",
+    "Transformer",
+    "apply_rope",
+    "compact",
+    "default_eagle3_layers",
+    "param_path",
+]
+
+
+# --------------------------------------------------------------------------- module
+
+
+class Transformer(nnx.Module):
+    """Embedding, `num_layers` stacked decoder layers, final norm, LM head (or tied)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = config.param_dtype
+        self.embed_tokens = logical_param(
+            rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed")
+        )
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(rngs):
+            return DecoderLayer(config, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        if config.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = logical_param(
+                rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab")
+            )
+
+    def embed(self, tokens):  # [B, T] -> [B, T, H]
+        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+    def logits(self, h):  # [B, T, H] final-normed -> [B, T, V] float32
+        if self.lm_head is None:
+            return jnp.einsum(
+                "bth,vh->btv", h, self.embed_tokens[...], preferred_element_type=jnp.float32
+            )
+        return jnp.einsum("bth,hv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens,  # [B, T] int32
+        positions,  # [B, T] int32
+        k_cache,  # [L, B, S, kv_heads, head_dim]
+        v_cache,  # [L, B, S, kv_heads, head_dim]
+        cache_lengths,  # [B] int32, <= S
+        mask,  # [B, T, T] bool
+        capture: tuple[int, ...] = (),
+    ):
+        """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new)."""
+        x = self.embed(tokens)
+        layer_def, layer_params = nnx.split(self.layers)
+        captured = jnp.zeros((len(capture),) + x.shape, x.dtype)
+        capture_ids = jnp.asarray(capture, jnp.int32)
+
+        def body(carry, xs):
+            x, captured = carry
+            params, k_layer, v_layer, index = xs
+            layer = nnx.merge(layer_def, params)
+            x, k_new, v_new = layer(x, positions, k_layer, v_layer, cache_lengths, mask)
+            if capture:
+                hit = (capture_ids == index)[:, None, None, None]
+                captured = jnp.where(hit, x[None], captured)
+            return (x, captured), (k_new, v_new)
+
+        indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, captured), (k_new, v_new) = jax.lax.scan(
+            body, (x, captured), (layer_params, k_cache, v_cache, indices)
+        )
+        return self.logits(self.norm(x)), captured, k_new, v_new
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@functools.partial(jax.jit, static_argnames=("capture",))
+def _forward(policy, tokens, positions, cache, mask, capture):
+    model = nnx.merge(policy.graphdef, policy.params)
+    cfg = policy.config
+    b, t = tokens.shape
+    valid = positions >= 0  # [B, T]
+    if cache is None:
+        kv_shape = (cfg.num_layers, b, 0, cfg.num_kv_heads, cfg.head_dim)
+        k_cache = v_cache = jnp.zeros(kv_shape, cfg.param_dtype)
+        lengths = jnp.zeros((b,), jnp.int32)
+    else:
+        k_cache, v_cache, lengths = cache.k, cache.v, cache.lengths
+    s = k_cache.shape[2]
+    if mask is None:
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    mask = mask.astype(bool) & valid[:, None, :]
+    logits, captured, k_new, v_new = model(
+        tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture
+    )
+    captured = {layer: captured[i] for i, layer in enumerate(capture)}
+    if cache is None:
+        return logits, captured, None
+    return logits, captured, cache.write(k_new, v_new, valid).advance(valid)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(config: ModelConfig, key):
+    """The modules' own init (RMSNorm scales 1, other weights N(0, 0.02^2)) from ONE normal
+    draw sliced into the params: one threefry in the program instead of one per parameter,
+    which is what made a jitted per-module init slow to compile on CPU."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(Policy.abstract(config).params)
+    sizes = [int(np.prod(leaf.shape)) for _, leaf in leaves]
+    noise = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    values, offset = [], 0
+    for (path, leaf), size in zip(leaves, sizes):
+        if param_path(path)[-1] == "scale":
+            values.append(jnp.ones(leaf.shape, leaf.dtype))
+        else:
+            chunk = noise[offset:offset + size].reshape(leaf.shape)
+            values.append((INIT_STD * chunk).astype(leaf.dtype))
+        offset += size
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def param_path(keypath) -> tuple[str, ...]:
+    """("layers", "mlp", "up_proj") from a params keypath."""
+    return tuple(k.key for k in keypath if isinstance(k, jax.tree_util.DictKey))
+
+
+def _is_concrete(*arrays) -> bool:
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The verifier/trained model as a pytree: static config + graphdef, params as leaves.
+
+    Pass it to `jax.jit`-ed functions as an argument; `forward` merges inside.
+    """
+
+    config: ModelConfig = dataclasses.field(metadata=dict(static=True))
+    graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
+    params: nnx.State
+
+    @classmethod
+    def from_module(cls, module: Transformer) -> Policy:
+        graphdef, params = nnx.split(module)
+        return cls(config=module.config, graphdef=graphdef, params=params)
+
+    @classmethod
+    def init(cls, config: ModelConfig, key) -> Policy:
+        """Random init (normal(0.02) weights, unit norms), params in config.dtype."""
+        return cls.abstract(config).replace(params=_init_params(config, key))
+
+    @classmethod
+    def abstract(cls, config: ModelConfig) -> Policy:
+        """Shapes/dtypes only (ShapeDtypeStruct leaves): for loading into shardings."""
+        module = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=0)))
+        return cls.from_module(module)
+
+    def replace(self, **changes) -> Policy:
+        """New fields as given (e.g. params=...); to change the config use with_config."""
+        return dataclasses.replace(self, **changes)
+
+    def with_config(self, **changes) -> Policy:
+        """The same params under a changed config, e.g. with_config(attention_backend="pallas").
+
+        The graphdef is rebuilt (modules read their settings from it); changes that alter
+        parameter shapes or dtypes are an error (use astype for the dtype).
+        """
+        new = Policy.abstract(self.config.replace(**changes))
+        ours = jax.tree_util.tree_flatten_with_path(self.params)[0]
+        theirs = jax.tree_util.tree_flatten_with_path(new.params)[0]
+        spec = [(param_path(p), tuple(x.shape), jnp.dtype(x.dtype)) for p, x in ours]
+        new_spec = [(param_path(p), tuple(x.shape), jnp.dtype(x.dtype)) for p, x in theirs]
+        if spec != new_spec:
+            diff = sorted(set(new_spec) ^ set(spec))[:4]
+            raise ValueError(f"with_config({changes}) changes the parameters: {diff}")
+        return new.replace(params=self.params)
+
+    def astype(self, dtype: str) -> Policy:
+        """The params cast to "float32" or "bfloat16" (config.dtype follows)."""
+        new = Policy.abstract(self.config.replace(dtype=dtype))
+        params = jax.tree.map(lambda x: x.astype(new.config.param_dtype), self.params)
+        return new.replace(params=params)
+
+    @property
+    def module(self) -> Transformer:
+        return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def logical_axes(self):
+        """PartitionSpecs of logical axis names, one per param (same tree as params)."""
+        return nnx.get_partition_spec(self.params)
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.zeros(self.config, batch, max_len)
+
+    def embed(self, tokens):  # [B, T] int32 -> [B, T, H] (param dtype)
+        return jnp.take(self.params["embed_tokens"][...], tokens, axis=0)
+
+    def forward(
+        self,
+        tokens,  # [B, T] int32
+        positions,  # [B, T] int32; < 0 marks padding (no cache write, never attended to)
+        cache: KVCache | None = None,
+        *,
+        mask=None,  # [B, T, T] bool among the new tokens; default causal
+        capture: tuple[int, ...] = (),
+    ):
+        """-> (logits [B,T,V] float32, {layer: hidden [B,T,H]}, cache).
+
+        Each new token sees its row's cached prefix [0, lengths[b]) and the new tokens the
+        mask allows. capture=(i, ...) returns the output of decoder layer i (0-based, before
+        the final norm), HF's hidden_states[i + 1] (HF reports the last layer after the
+        final norm). With cache=None nothing is stored and None is returned.
+        """
+        cfg = self.config
+        tokens = jnp.asarray(tokens)
+        positions = jnp.asarray(positions)
+        if tokens.ndim != 2 or positions.shape != tokens.shape:
+            raise ValueError(
+                f"forward: tokens {tokens.shape} and positions {positions.shape} must both be [B, T]"
+            )
+        b, t = tokens.shape
+        capture = tuple(int(i) for i in capture)
+        bad = [i for i in capture if not 0 <= i < cfg.num_layers]
+        if bad:
+            raise ValueError(f"forward: capture layers {bad} out of range [0, {cfg.num_layers})")
+        if mask is not None:
+            mask = jnp.asarray(mask)
+            if mask.shape != (b, t, t):
+                raise ValueError(f"forward: mask shape {mask.shape}; expected {(b, t, t)}")
+        if cache is not None:
+            if cache.batch != b:
+                raise ValueError(f"forward: cache batch {cache.batch} != tokens batch {b}")
+            if t > cache.max_len:
+                raise CacheOverflowError(
+                    f"forward feeds T={t} tokens per row but the KV cache holds max_len="
+                    f"{cache.max_len}; use a larger cache (init_cache(batch, max_len>={t}))"
+                )
+            if _is_concrete(cache.lengths, positions):
+                need = np.asarray(cache.lengths) + np.sum(np.asarray(positions) >= 0, axis=1)
+                over = np.nonzero(need > cache.max_len)[0]
+                if over.size:
+                    raise CacheOverflowError(
+                        f"forward would write past the KV cache: rows {over.tolist()} need "
+                        f"{need[over].tolist()} slots, max_len={cache.max_len}"
+                    )
+        return _forward(self, tokens, positions, cache, mask, capture)
+
+
+jax.tree_util.register_dataclass(Policy)
