@@ -1,0 +1,193 @@
+"""Stage timers, metric sinks (JSONL, TensorBoard) and the one-line-per-step progress text.
+
+Key names shared with the trainer and scripts/report.py: `step`, `reward`,
+`acceptance_length`, `time/<stage>` (seconds), `share/<stage>` (fraction of the step),
+`time/step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+__all__ = ["MetricsWriter", "StageTimer", "format_step_line", "scalar_metrics"]
+
+_log = logging.getLogger(__name__)
+
+
+class _Stage:
+    """Handle yielded by StageTimer.stage: `ready(x)` waits for x's device work, so the
+    stage's time includes the computation it dispatched, and returns x."""
+
+    @staticmethod
+    def ready(x):
+        return jax.block_until_ready(x)
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage of one step.
+
+        timer = StageTimer()
+        with timer.stage("generation") as s:
+            rollouts = s.ready(generate(...))
+        timer.summary()  # {"time/generation": .., "share/generation": .., "time/step": ..}
+
+    A stage entered twice in a step adds up. The step lasts from `reset()` (or the timer's
+    creation) to the end of the last stage; time outside every stage is `time/other`."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new step."""
+        self.seconds: dict[str, float] = {}
+        self._start: float = self._clock()
+        self._end: float | None = None
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[_Stage]:
+        t0 = self._clock()
+        try:
+            yield _Stage()
+        finally:
+            t1 = self._clock()
+            self.seconds[name] = self.seconds.get(name, 0.0) + (t1 - t0)
+            self._end = t1
+
+    def timed(self, name: str, fn: Callable, *args, **kwargs):
+        """fn(*args, **kwargs) timed as stage `name`, waiting for its device results."""
+        with self.stage(name) as s:
+            return s.ready(fn(*args, **kwargs))
+
+    @property
+    def step_seconds(self) -> float:
+        if self._end is None:
+            return 0.0
+        return self._end - self._start
+
+    def shares(self) -> dict[str, float]:
+        """Each stage's fraction of the step."""
+        total = self.step_seconds
+        return {k: (v / total if total > 0 else 0.0) for k, v in self.seconds.items()}
+
+    def summary(self) -> dict[str, float]:
+        total = self.step_seconds
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        other = total - sum(self.seconds.values())
+        if other > 1e-9:
+            out["time/other"] = other
+        out.update({f"share/{k}": v for k, v in self.shares().items()})
+        out["time/step"] = total
+        return out
+
+
+def _to_python(value: Any):
+    """A JSON-able python scalar (or list) from a python/numpy/jax value; NaN/inf -> None."""
+    if isinstance(value, (str, bool)) or value is None:
+        return value
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        arr = np.asarray(value)
+        value = arr.item() if arr.ndim == 0 else arr.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_to_python(v) for v in value]
+    return value
+
+
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics as plain python values (one device-to-host transfer per leaf)."""
+    return {k: _to_python(v) for k, v in metrics.items()}
+
+
+class MetricsWriter:
+    """One JSON object per step appended to <run_dir>/metrics.jsonl, and the scalar ones to
+    TensorBoard (<run_dir>/tb) when tensorboardX is installed.
+
+    `resume_step`: the step a resumed run restarts after; lines of later steps (written
+    before the run stopped, after its last checkpoint) are dropped, so the file ends up as
+    if the run had never stopped."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None,
+                 tensorboard: bool = True):
+        self.run_dir = os.fspath(run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.path = os.path.join(self.run_dir, "metrics.jsonl")
+        if resume_step is None:
+            open(self.path, "w").close()
+        else:
+            self._truncate_after(resume_step)
+        self._tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                _log.info("tensorboardX is not installed: metrics go to %s only", self.path)
+            else:
+                self._tb = SummaryWriter(os.path.join(self.run_dir, "tb"))
+
+    def _truncate_after(self, step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as fh:
+            keep = [line for line in fh
+                    if line.strip() and json.loads(line).get("step", -1) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.writelines(keep)
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Record `metrics` for `step`; returns the plain-python row that was written."""
+        row = {"step": int(step), **scalar_metrics(metrics)}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, int(step))
+            self._tb.flush()
+        return row
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_STAGE_ABBREV = {"generation": "gen", "training": "train", "logprob": "logp"}
+
+
+def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | None = None) -> str:
+    """One line for the progress log, e.g.
+    'step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | train 0.41s 25%'."""
+    m = scalar_metrics(metrics)
+    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    if m.get("reward") is not None:
+        parts.append(f"reward {m['reward']:.3f}")
+    if m.get("acceptance_length") is not None:
+        parts.append(f"acc_len {m['acceptance_length']:.2f}")
+    stages = [k[len("time/"):] for k in m if k.startswith("time/") and k != "time/step"]
+    if m.get("time/step") is not None:
+        parts.append(f"step {m['time/step']:.2f}s")
+    for name in stages:
+        text = f"{_STAGE_ABBREV.get(name, name)} {m[f'time/{name}']:.2f}s"
+        if m.get(f"share/{name}") is not None:
+            text += f" {100 * m[f'share/{name}']:.0f}%"
+        parts.append(text)
+    return " | ".join(parts)

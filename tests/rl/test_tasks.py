@@ -1,0 +1,209 @@
+"""Built-in tasks, the character tokenizer and the JSONL loader."""
+
+import json
+
+import pytest
+
+from jaxspec.rl.tasks import (TASKS, ArithmeticTask, CharTokenizer, CountdownTask, DatasetError,
+                              Example, JsonlTask, load_jsonl, make_task)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_round_trip_and_specials():
+    tok = CharTokenizer()
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    assert tok.vocab_size == 3 + len(CharTokenizer.ALPHABET) <= 64
+    text = "12+34=46"
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert len(ids) == len(text) + 2
+    assert all(3 <= i < tok.vocab_size for i in ids[1:-1])
+    assert tok.decode(ids) == text
+    # decoding stops at EOS, skips PAD/BOS, and marks ids past the alphabet
+    assert tok.decode(tok.encode("46", eos=True) + tok.encode("99")) == "46"
+    assert tok.decode(tok.encode("46", eos=True) + tok.encode("9"), stop_at_eos=False) == "469"
+    assert tok.decode([0, 1] + tok.encode("7") + [0]) == "7"
+    assert tok.decode([tok.vocab_size + 3]) == "\ufffd"
+    for c in "0123456789+-*=, ":
+        assert tok.decode(tok.encode(c)) == c
+
+
+def test_tokenizer_rejects_unknown_characters():
+    with pytest.raises(ValueError, match=r"'x' at 2"):
+        CharTokenizer().encode("12x")
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+def test_arithmetic_prompts_are_deterministic_and_resumable():
+    task = ArithmeticTask(seed=3)
+    first = task.batch(0, 10)
+    assert first == ArithmeticTask(seed=3).batch(0, 10)
+    assert task.batch(4, 6) == first[4:]  # resuming at data position 4 continues exactly
+    assert [task.example(i) for i in range(10)] == first
+    assert first != ArithmeticTask(seed=4).batch(0, 10)
+    assert len({ex.prompt for ex in first}) > 5
+
+
+@pytest.mark.parametrize("ops", ["+", "-", "*", "+-*"])
+def test_arithmetic_answers_are_correct(ops):
+    task = ArithmeticTask(seed=0, digits=3, ops=ops)
+    tok = CharTokenizer()
+    for ex in task.batch(0, 50):
+        assert ex.prompt.endswith("=")
+        a_str, rest = ex.prompt[:-1], None
+        for op in "+-*":
+            if op in a_str[1:]:
+                left, right = a_str.split(op, 1)
+                rest = (int(left), op, int(right))
+        a, op, b = rest
+        assert op in ops and 0 <= a <= 999 and 0 <= b <= 999
+        assert int(ex.answer) == {"+": a + b, "-": a - b, "*": a * b}[op]
+        tok.encode(ex.prompt + ex.answer)  # every character is in the alphabet
+
+
+def test_arithmetic_formats_hand_computed():
+    wide = ArithmeticTask(digits=2)  # fixed width by default
+    assert (wide.format_number(45, 3), wide.format_number(-9, 3)) == ("045", "-009")
+    rev = ArithmeticTask(digits=2, reverse=True)
+    assert (rev.format_number(45, 3), rev.format_number(-9, 3)) == ("540", "-900")
+    free = ArithmeticTask(digits=2, fixed_width=False)
+    assert (free.format_number(45, 3), free.format_number(-9, 3)) == ("45", "-9")
+    for task, want in ((wide, lambda v: f"{v:03d}"), (rev, lambda v: f"{v:03d}"[::-1]),
+                       (free, str)):
+        for ex in task.batch(0, 30):
+            a, b = ex.prompt[:-1].split("+")
+            assert len(a) == len(b) == 2 or not task.fixed_width
+            assert ex.answer == ex.solution == want(int(a) + int(b))
+    mul = ArithmeticTask(digits=2, ops="*")
+    assert all(len(ex.answer) == 4 for ex in mul.batch(0, 20))  # products: 2 * digits wide
+
+
+def test_arithmetic_reward_hand_computed():
+    task = ArithmeticTask()
+    ex = Example("47+38=", "85", "85")
+    assert task.reward(ex, "85") == 1.0
+    assert task.reward(ex, " 85 ") == 1.0
+    assert task.reward(ex, "84") == 0.25  # 1 of 2 digits right-aligned: 0.5 * 1/2
+    assert task.reward(ex, "185") == 0.5 * 2 / 3
+    assert task.reward(ex, "58") == 0.0
+    rev = ArithmeticTask(reverse=True)  # units digit first: partial credit aligns there
+    assert rev.reward(Example("47+38=", "580", "580"), "58") == 0.5 * 2 / 3
+    assert task.reward(ex, "85+1") == 0.0  # not a number: no credit
+    assert task.reward(ex, "") == 0.0
+    strict = ArithmeticTask(partial_credit=False)
+    assert strict.reward(ex, "84") == 0.0 and strict.reward(ex, "85") == 1.0
+
+
+def test_arithmetic_warmup_is_noisy_but_mostly_right():
+    task = ArithmeticTask(seed=0, digits=2, warmup_noise=0.3)
+    pairs = task.supervised_examples(400, seed=7)
+    assert pairs == task.supervised_examples(400, seed=7)
+    right = sum(task.reward(Example(p, _solve(p), _solve(p)), t) == 1.0 for p, t in pairs)
+    assert 0.6 < right / len(pairs) < 0.8  # ~70% correct targets
+    wrong = [(p, t) for p, t in pairs if t != _solve(p)]
+    assert all(len(t) == len(_solve(p)) for p, t in wrong)  # one digit changed
+    # the warm-up stream is not the RL prompt stream
+    rl = {ex.prompt for ex in task.batch(0, 400)}
+    assert len(rl & {p for p, _ in pairs}) < 200
+    clean = ArithmeticTask(seed=0, digits=2, warmup_noise=0.0).supervised_examples(50, seed=7)
+    assert all(t == _solve(p) for p, t in clean)
+
+
+def _solve(prompt):
+    a, b = prompt[:-1].split("+")
+    return f"{int(a) + int(b):03d}"
+
+
+# ----------------------------------------------------------------------------- countdown
+
+def test_countdown_is_deterministic_and_solvable():
+    task = CountdownTask(seed=1)
+    exs = task.batch(0, 100)
+    assert exs == CountdownTask(seed=1).batch(0, 100)
+    for ex in exs:
+        nums, target = ex.prompt[:-1].split(":")
+        assert len(nums.split(",")) == 3
+        assert all(1 <= int(n) <= 9 for n in nums.split(","))
+        assert int(target) == int(ex.answer) >= 0
+        assert task.reward(ex, ex.solution) == 1.0  # the reference solution is correct
+        CharTokenizer().encode(ex.prompt + ex.solution)
+
+
+def test_countdown_reward_hand_computed():
+    task = CountdownTask()
+    ex = Example("3,5,7:22=", "22", "3*5+7")
+    assert task.reward(ex, "3*5+7") == 1.0
+    assert task.reward(ex, "7+5*3") == 1.0  # precedence: 7 + 15
+    assert task.reward(ex, "(7+5)*3") == 0.1  # 36: right numbers, wrong value
+    assert task.reward(ex, "3*5+7+0") == 0.0  # an extra number
+    assert task.reward(ex, "3*5") == 0.0  # a number missing
+    assert task.reward(ex, "5*5-3") == 0.0  # a number used twice
+    assert task.reward(ex, "3*5+") == 0.0  # malformed
+    assert task.reward(ex, "((3*5)+7)") == 1.0
+    assert task.reward(ex, "(3*5+7") == 0.0
+    assert task.reward(ex, "3/5+7") == 0.0  # '/' not among this task's ops
+    div = CountdownTask(ops="+-*/")
+    assert div.reward(Example("8,4,2:4=", "4", ""), "8/4*2") == 1.0
+    assert div.reward(Example("8,4,2:4=", "4", ""), "8/(4-4)") == 0.0  # division by zero
+    assert CountdownTask(partial_credit=False).reward(ex, "(7+5)*3") == 0.0
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+def _write(tmp_path, lines, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_jsonl_loads_and_rewards(tmp_path):
+    path = _write(tmp_path, [json.dumps({"prompt": "What is 1/2 + 1/4?", "answer": "3/4"}),
+                             "",
+                             json.dumps({"prompt": "2+2?", "answer": 4, "id": 9})])
+    exs = load_jsonl(path)
+    assert [e.answer for e in exs] == ["3/4", "4"]
+    task = make_task("jsonl", seed=0, path=path)
+    assert isinstance(task, JsonlTask) and task.tokenizer is None
+    assert task.reward(exs[0], r"so \boxed{0.75}") == 1.0
+    assert task.reward(exs[0], "it is 0.5") == 0.0
+    assert task.reward(exs[1], "The answer is 4.") == 1.0
+
+
+def test_jsonl_epochs_visit_every_example_in_seeded_order(tmp_path):
+    path = _write(tmp_path, [json.dumps({"prompt": f"q{i}", "answer": i}) for i in range(7)])
+    task = JsonlTask(path, seed=5)
+    epoch0 = [e.prompt for e in task.batch(0, 7)]
+    epoch1 = [e.prompt for e in task.batch(7, 7)]
+    assert sorted(epoch0) == sorted(epoch1) == sorted(f"q{i}" for i in range(7))
+    assert epoch0 != epoch1  # reshuffled each epoch (fixed by the seed)
+    assert [e.prompt for e in JsonlTask(path, seed=5).batch(3, 8)] == (epoch0 + epoch1)[3:11]
+    plain = JsonlTask(path, shuffle=False)
+    assert [e.prompt for e in plain.batch(5, 4)] == ["q5", "q6", "q0", "q1"]
+
+
+def test_jsonl_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_jsonl(tmp_path / "missing.jsonl")
+    with pytest.raises(DatasetError, match="empty"):
+        load_jsonl(_write(tmp_path, ["", "  "], "empty.jsonl"))
+    good = json.dumps({"prompt": "p", "answer": "1"})
+    with pytest.raises(DatasetError, match=r"bad.jsonl:3: not valid JSON"):
+        load_jsonl(_write(tmp_path, [good, good, "{oops"], "bad.jsonl"))
+    with pytest.raises(DatasetError, match=r":2: missing key 'answer'"):
+        load_jsonl(_write(tmp_path, [good, json.dumps({"prompt": "p"})], "nokey.jsonl"))
+    with pytest.raises(DatasetError, match=r":1: expected an object"):
+        load_jsonl(_write(tmp_path, ["[1, 2]"], "list.jsonl"))
+    with pytest.raises(DatasetError, match=r":1: \"answer\" must be"):
+        load_jsonl(_write(tmp_path, [json.dumps({"prompt": "p", "answer": None})], "n.jsonl"))
+
+
+def test_registry_and_make_task():
+    assert set(TASKS) == {"arithmetic", "countdown", "jsonl"}
+    task = make_task("arithmetic", seed=2, digits=3)
+    assert isinstance(task, ArithmeticTask) and task.digits == 3 and task.seed == 2
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        make_task("nope")
+    with pytest.raises(ValueError, match="digits"):
+        ArithmeticTask(digits=0)
