@@ -1,0 +1,366 @@
+"""Drafters: pytrees that carry their own params and settings through `jax.jit`.
+
+Protocol (what the engine calls, all inside one trace):
+- static attributes `num_nodes` (N, tree nodes per proposal), `max_depth` (D),
+  `capture_layers` (policy layers whose hidden states the drafter needs),
+  `supports_rejection`, `forwards_per_propose`, `forwards_per_observe`;
+- `check_compatible(policy)`: host-side check before anything compiles;
+- `init_state(policy, batch, max_len) -> state`;
+- `observe(state, policy, fed_tokens[B,M], next_tokens[B,M], positions[B,M], captured)`:
+  the policy has just committed `fed_tokens` (positions < 0 are padding), whose
+  successors are `next_tokens`, with hidden states `captured[layer][B,M,H]`;
+- `propose(state, policy, ctx) -> (Tree, draft_probs[B,N,V] | None, state)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decoding.sampling import SamplingConfig, process_logits
+from jaxspec.decoding.tree import Tree
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftContext:
+    """What the engine tells a drafter at each proposal (lives inside one trace only)."""
+
+    buffer: jax.Array  # [batch, max_len] committed tokens (prompt + generated)
+    lengths: jax.Array  # [batch] committed count; the root is at lengths - 1
+    key: jax.Array  # PRNG key for sampled drafts
+    sampling: SamplingConfig
+    sampled: bool  # draw drafts from q and return q (rejection method) instead of argmax
+
+    @property
+    def root(self) -> jax.Array:  # [batch]
+        return jnp.take_along_axis(self.buffer, (self.lengths - 1)[:, None], axis=1)[:, 0]
+
+
+def _check_k(k: int, name: str = "k") -> None:
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"draft length {name} must be an int >= 1; got {k!r}")
+
+
+def _choose(logits, ctx: DraftContext, key):  # logits [batch, vocab] -> (token[batch], q[batch, vocab] | None)
+    """Argmax draft, or a sample from the processed draft distribution q (returned)."""
+    if not ctx.sampled:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    logq = process_logits(logits, ctx.sampling)
+    token = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
+    return token, jnp.exp(logq)
+
+
+# --------------------------------------------------------------------------- n-gram
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NGramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens, copy what followed.
+
+    Tries n = max_n down to min_n; with no match it proposes the root repeated (harmless:
+    verification rejects it). Model-free, so `forwards_per_*` are 0.
+    """
+
+    k: int = dataclasses.field(default=3, metadata=dict(static=True))
+    min_n: int = dataclasses.field(default=1, metadata=dict(static=True))
+    max_n: int = dataclasses.field(default=3, metadata=dict(static=True))
+
+    def __post_init__(self):
+        _check_k(self.k)
+        if not (isinstance(self.min_n, int) and isinstance(self.max_n, int) and 1 <= self.min_n <= self.max_n):
+            raise ValueError(
+                f"NGramDrafter needs 1 <= min_n <= max_n; got min_n={self.min_n!r}, max_n={self.max_n!r}"
+            )
+
+    num_nodes = property(lambda self: self.k)
+    max_depth = property(lambda self: self.k)
+    capture_layers = ()
+    supports_rejection = False
+    forwards_per_propose = 0
+    forwards_per_observe = 0
+
+    def check_compatible(self, policy) -> None:
+        return None
+
+    def init_state(self, policy, batch, max_len):
+        return None
+
+    def observe(self, state, policy, fed_tokens, next_tokens, positions, captured):
+        return state
+
+    def propose(self, state, policy, ctx: DraftContext):
+        buf, lengths = ctx.buffer, ctx.lengths
+        batch, width = buf.shape
+        found = jnp.zeros((batch,), bool)
+        source = jnp.zeros((batch,), jnp.int32)  # position where the copied continuation starts
+        for n in range(self.max_n, self.min_n - 1, -1):
+            starts = width - n + 1
+            suffix_idx = jnp.clip(lengths[:, None] - n + jnp.arange(n)[None, :], 0, width - 1)
+            suffix = jnp.take_along_axis(buf, suffix_idx, axis=1)  # [batch, n]
+            match = jnp.ones((batch, starts), bool)
+            for i in range(n):
+                match &= buf[:, i : i + starts] == suffix[:, i : i + 1]
+            j = jnp.arange(starts)[None, :]
+            match &= (j + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
+            latest = jnp.max(jnp.where(match, j, -1), axis=1)
+            hit = (latest >= 0) & ~found
+            source = jnp.where(hit, latest + n, source)
+            found |= hit
+        idx = source[:, None] + jnp.arange(self.k)[None, :]
+        # Continuation tokens must be committed ones; past the end repeat the root.
+        ok = found[:, None] & (idx < lengths[:, None])
+        copied = jnp.take_along_axis(buf, jnp.clip(idx, 0, width - 1), axis=1)
+        tokens = jnp.where(ok, copied, ctx.root[:, None])
+        return Tree.chain(tokens), None, state
+
+
+# --------------------------------------------------------------------------- draft model
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftModelDrafter:
+    """A small policy of the same tokenizer drafts a chain of k tokens autoregressively."""
+
+    model: Any  # jaxspec.models.Policy
+    k: int = dataclasses.field(default=3, metadata=dict(static=True))
+
+    def __post_init__(self):
+        _check_k(self.k)
+
+    num_nodes = property(lambda self: self.k)
+    max_depth = property(lambda self: self.k)
+    capture_layers = ()
+    supports_rejection = True
+    forwards_per_propose = property(lambda self: self.k)
+    forwards_per_observe = 1
+
+    def check_compatible(self, policy) -> None:
+        mine, theirs = self.model.config.vocab_size, policy.config.vocab_size
+        if mine != theirs:
+            raise ValueError(
+                f"draft model vocabulary size {mine} differs from the policy's {theirs}; "
+                f"a draft model must share the policy's tokenizer"
+            )
+
+    def init_state(self, policy, batch, max_len):
+        return self.model.init_cache(batch, max_len)
+
+    def observe(self, cache, policy, fed_tokens, next_tokens, positions, captured):
+        _, _, cache = self.model.forward(fed_tokens, positions, cache)
+        return cache
+
+    def propose(self, cache, policy, ctx: DraftContext):
+        start_lengths = cache.lengths
+        token = ctx.root
+        pos = ctx.lengths - 1
+        tokens, probs = [], []
+        for i in range(self.k):
+            logits, _, cache = self.model.forward(token[:, None], (pos + i)[:, None], cache)
+            token, q = _choose(logits[:, 0], ctx, jax.random.fold_in(ctx.key, i))
+            tokens.append(token)
+            probs.append(q)
+        cache = dataclasses.replace(cache, lengths=start_lengths)  # drafts are not committed
+        draft_probs = jnp.stack(probs, axis=1) if ctx.sampled else None
+        return Tree.chain(jnp.stack(tokens, axis=1)), draft_probs, cache
+
+
+# --------------------------------------------------------------------------- EAGLE-3
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """Dynamic draft tree: expand the top_k children of each frontier node per depth,
+    keep the global top_k by cumulative log-prob as the next frontier, then keep the
+    best `budget` nodes of everything expanded (ancestors always score higher)."""
+
+    top_k: int = 4
+    depth: int = 4
+    budget: int = 16
+
+    def __post_init__(self):
+        for name in ("top_k", "depth", "budget"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TreeSpec.{name} must be an int >= 1; got {value!r}")
+        pool = self.top_k + (self.depth - 1) * self.top_k**2
+        if self.budget > pool:
+            raise ValueError(
+                f"TreeSpec.budget {self.budget} exceeds the {pool} nodes that top_k={self.top_k}, "
+                f"depth={self.depth} can expand"
+            )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Eagle3State:
+    cache: Any  # KVCache of the head's single layer
+    last_hidden: jax.Array  # [batch, H] pre-norm head output at the last observed position
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    """EAGLE-3 drafting: a chain of k argmax (or sampled) drafts, or a dynamic tree."""
+
+    head: Any  # jaxspec.models.Eagle3Head
+    k: int = dataclasses.field(default=3, metadata=dict(static=True))
+    tree: TreeSpec | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        _check_k(self.k)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.k if self.tree is None else self.tree.budget
+
+    @property
+    def max_depth(self) -> int:
+        return self.k if self.tree is None else self.tree.depth
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.head.capture_layers
+
+    @property
+    def supports_rejection(self) -> bool:
+        return self.tree is None
+
+    @property
+    def forwards_per_propose(self) -> int:
+        return self.k - 1 if self.tree is None else self.tree.depth - 1
+
+    forwards_per_observe = 1
+
+    def check_compatible(self, policy) -> None:
+        self.head.check_compatible(policy)
+
+    def init_state(self, policy, batch, max_len):
+        hidden = self.head.config.hidden_size
+        return Eagle3State(
+            cache=self.head.init_cache(batch, max_len),
+            last_hidden=jnp.zeros((batch, hidden), jnp.float32),
+        )
+
+    def observe(self, state, policy, fed_tokens, next_tokens, positions, captured):
+        features = jnp.concatenate([captured[i] for i in self.head.capture_layers], axis=-1)
+        embeds = policy.embed(next_tokens)
+        hidden, cache = self.head.forward(embeds, features, positions, state.cache, fuse=True)
+        # The last valid position of each row carries the state the next draft starts from.
+        last = jnp.argmax(jnp.where(positions >= 0, positions, -1), axis=1)
+        has_any = jnp.any(positions >= 0, axis=1)
+        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        last_hidden = jnp.where(has_any[:, None], last_hidden.astype(jnp.float32), state.last_hidden)
+        return Eagle3State(cache=cache, last_hidden=last_hidden)
+
+    def propose(self, state, policy, ctx: DraftContext):
+        if self.tree is None:
+            return self._propose_chain(state, policy, ctx)
+        return self._propose_tree(state, policy, ctx)
+
+    def _propose_chain(self, state, policy, ctx):
+        cache = state.cache
+        start_lengths = cache.lengths
+        hidden = state.last_hidden
+        pos = ctx.lengths - 1  # a draft step pairs (hidden at t-1, token t) at position t-1
+        tokens, probs = [], []
+        for i in range(self.k):
+            if i > 0:
+                embeds = policy.embed(tokens[-1][:, None])
+                out, cache = self.head.forward(
+                    embeds, hidden[:, None], (pos + i - 1)[:, None], cache, fuse=False
+                )
+                hidden = out[:, 0].astype(jnp.float32)
+            logits = self.head.target_logits(hidden)  # [batch, V] (-inf outside the draft vocab)
+            token, q = _choose(logits, ctx, jax.random.fold_in(ctx.key, i))
+            tokens.append(token)
+            probs.append(q)
+        cache = dataclasses.replace(cache, lengths=start_lengths)
+        draft_probs = jnp.stack(probs, axis=1) if ctx.sampled else None
+        return Tree.chain(jnp.stack(tokens, axis=1)), draft_probs, Eagle3State(cache, state.last_hidden)
+
+    def _propose_tree(self, state, policy, ctx):
+        spec = self.tree
+        kk = spec.top_k
+        cache = state.cache
+        batch = ctx.lengths.shape[0]
+        pos = ctx.lengths - 1
+        b_idx = jnp.arange(batch)[:, None]
+
+        logp = jax.nn.log_softmax(self.head.target_logits(state.last_hidden), axis=-1)
+        score, tok = jax.lax.top_k(logp, kk)  # [batch, kk]
+        # The pool holds every expanded node; the frontier is the subset fed next.
+        pool_tok, pool_score = [tok], [score]
+        pool_parent = [jnp.full((batch, kk), -1, jnp.int32)]
+        pool_depth = [jnp.ones((batch, kk), jnp.int32)]
+        pool_size = kk
+        fed_tok = tok  # frontier nodes fed so far, in feeding order
+        fed_hidden_in = jnp.broadcast_to(state.last_hidden[:, None], (batch, kk, state.last_hidden.shape[-1]))
+        fed_depth = jnp.ones((batch, kk), jnp.int32)
+        fed_anc = jnp.broadcast_to(jnp.eye(kk, dtype=bool), (batch, kk, kk))
+        front_pool = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), (batch, kk))
+        front_score = score
+
+        for _ in range(1, spec.depth):
+            num_fed = fed_tok.shape[1]
+            out, _ = self.head.forward(
+                policy.embed(fed_tok), fed_hidden_in, pos[:, None] + fed_depth - 1, cache,
+                mask=fed_anc, fuse=False,
+            )
+            front_out = out[:, -kk:].astype(jnp.float32)  # [batch, kk, H]
+            child_logp = jax.nn.log_softmax(self.head.target_logits(front_out), axis=-1)
+            c_score, c_tok = jax.lax.top_k(child_logp, kk)  # [batch, kk, kk]
+            c_score = front_score[..., None] + c_score
+            c_parent_pool = jnp.broadcast_to(front_pool[..., None], c_tok.shape)
+            depth = pool_depth[-1][:, :1] + 1
+            pool_tok.append(c_tok.reshape(batch, -1))
+            pool_score.append(c_score.reshape(batch, -1))
+            pool_parent.append(c_parent_pool.reshape(batch, -1))
+            pool_depth.append(jnp.broadcast_to(depth, (batch, kk * kk)))
+            # Next frontier: the global top kk children.
+            best_score, best = jax.lax.top_k(c_score.reshape(batch, -1), kk)
+            parent_front = best // kk  # index into the current frontier
+            new_tok = c_tok.reshape(batch, -1)[b_idx, best]
+            new_hidden_in = front_out[b_idx, parent_front]
+            parent_fed = num_fed - kk + parent_front  # index among fed nodes
+            anc_rows = fed_anc[b_idx, parent_fed]  # [batch, kk, num_fed]
+            fed_anc = jnp.concatenate(
+                [
+                    jnp.concatenate([fed_anc, jnp.zeros((batch, num_fed, kk), bool)], axis=2),
+                    jnp.concatenate(
+                        [anc_rows, jnp.broadcast_to(jnp.eye(kk, dtype=bool), (batch, kk, kk))], axis=2
+                    ),
+                ],
+                axis=1,
+            )
+            fed_tok = jnp.concatenate([fed_tok, new_tok], axis=1)
+            fed_hidden_in = jnp.concatenate([fed_hidden_in, new_hidden_in], axis=1)
+            fed_depth = jnp.concatenate([fed_depth, jnp.broadcast_to(depth, (batch, kk))], axis=1)
+            front_pool = pool_size + best
+            front_score = best_score
+            pool_size += kk * kk
+
+        all_tok = jnp.concatenate(pool_tok, axis=1)
+        all_score = jnp.concatenate(pool_score, axis=1)
+        all_parent = jnp.concatenate(pool_parent, axis=1)
+        all_depth = jnp.concatenate(pool_depth, axis=1)
+        # Best `budget` nodes; a small depth penalty breaks ties in favour of ancestors.
+        rank = jnp.where(jnp.isfinite(all_score), all_score, -1e30) - 1e-6 * all_depth
+        _, keep = jax.lax.top_k(rank, spec.budget)
+        keep = jnp.sort(keep, axis=1)  # pool order is depth-major: parents come first
+        slot_of = jnp.full((batch, all_tok.shape[1]), -1, jnp.int32).at[b_idx, keep].set(
+            jnp.arange(spec.budget, dtype=jnp.int32)[None, :]
+        )
+        kept_parent_pool = all_parent[b_idx, keep]
+        parents = jnp.where(kept_parent_pool >= 0, slot_of[b_idx, jnp.maximum(kept_parent_pool, 0)], -1)
+        tree = Tree(
+            tokens=all_tok[b_idx, keep],
+            parents=parents,
+            depths=all_depth[b_idx, keep],
+            max_depth=spec.depth,
+        )
+        return tree, None, state

@@ -1,0 +1,348 @@
+"""One generation engine for plain and speculative rollouts.
+
+`generate` pads the prompts, checks every argument on the host, and runs one jitted
+`lax.while_loop`. Each iteration the drafter proposes a tree (an empty one for plain
+decoding), the policy verifies it in a single forward, `verify` picks the emitted tokens,
+the accepted path's KV entries are compacted, and the drafter observes what was kept.
+
+Sequence bookkeeping: a row's "root" is its last committed token, whose KV is not in the
+cache yet; it sits at position `lengths - 1` of the token buffer. The token emitted from
+the root's distribution goes to position `lengths`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.tree import Tree
+from jaxspec.decoding.verify import verify
+from jaxspec.decoding.drafters import DraftContext
+from jaxspec.models import KVCache, Policy, compact
+
+METHODS = ("replay", "greedy", "rejection")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RolloutStats:
+    """Counters of one `generate` call; derived rates are properties."""
+
+    target_forwards: jax.Array  # [] policy forwards in the loop (prefill excluded)
+    draft_forwards: jax.Array  # [] drafter forwards (0 for model-free drafters)
+    row_steps: jax.Array  # [batch] policy forwards while the row was still generating
+    tokens_generated: jax.Array  # [batch]
+    accepted_at: jax.Array  # [max_depth] row-steps whose draft at depth j+1 was accepted
+    proposed_at: jax.Array  # [max_depth] row-steps that proposed a draft at depth j+1
+    wall_time_s: jax.Array  # [] host wall time of the call, compilation included
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per policy forward, over all rows (1.0 for plain decoding)."""
+        steps = float(np.sum(self.row_steps))
+        return float(np.sum(self.tokens_generated)) / max(steps, 1.0)
+
+    @property
+    def per_position_acceptance(self) -> np.ndarray:
+        """Fraction of proposals accepted at each draft depth 1..D."""
+        proposed = np.asarray(self.proposed_at, np.float64)
+        return np.asarray(self.accepted_at, np.float64) / np.maximum(proposed, 1.0)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "acceptance_length": self.acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance.tolist(),
+            "target_forwards": int(self.target_forwards),
+            "draft_forwards": int(self.draft_forwards),
+            "tokens_generated": int(np.sum(self.tokens_generated)),
+            "wall_time_s": float(self.wall_time_s),
+        }
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+    """Generated continuations (prompt excluded), right-padded with `pad_id`."""
+
+    tokens: jax.Array  # [batch, max_new_tokens] int32
+    lengths: jax.Array  # [batch] int32: generated tokens per row (stop token included)
+    logprobs: jax.Array  # [batch, max_new_tokens] float32 log p(token) under the processed policy
+    stats: RolloutStats
+
+
+def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A list of token-id lists, or (array[B, P], lengths[B]), as a right-padded array + lengths."""
+    if isinstance(prompts, tuple) and len(prompts) == 2:
+        tokens = np.asarray(prompts[0], np.int32)
+        lengths = np.asarray(prompts[1], np.int32)
+        if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],):
+            raise ValueError(
+                f"prompts as (tokens, lengths) must be [batch, len] and [batch]; got "
+                f"{tokens.shape} and {lengths.shape}"
+            )
+        if np.any(lengths < 1) or np.any(lengths > tokens.shape[1]):
+            raise ValueError(
+                f"prompt lengths must be in [1, {tokens.shape[1]}]; got {lengths.tolist()}"
+            )
+        return tokens, lengths
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(
+            "prompts must be a non-empty list of token-id lists or a (tokens, lengths) pair"
+        )
+    rows = [list(map(int, p)) for p in prompts]
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty; every prompt needs at least one token")
+    width = max(len(r) for r in rows)
+    tokens = np.full((len(rows), width), pad_id, np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    return tokens, np.array([len(r) for r in rows], np.int32)
+
+
+def generate(
+    policy: Policy,
+    prompts,
+    *,
+    drafter=None,
+    sampling: SamplingConfig | None = None,
+    max_new_tokens: int,
+    key: jax.Array,
+    stop_tokens: Sequence[int] = (),
+    method: str = "replay",
+    rows: jax.Array | None = None,  # [batch] global rollout ids (position-keyed noise)
+    pad_id: int = 0,
+) -> Rollouts:
+    """Sample continuations of `prompts` from `policy`, speculatively when `drafter` is set.
+
+    With `method="replay"` (the default) and the same key, the tokens equal those of plain
+    decoding (`drafter=None`) token for token, up to floating-point differences between a
+    one-token and a multi-token forward; every method is lossless in distribution.
+    """
+    sampling = SamplingConfig() if sampling is None else sampling
+    tokens, prompt_lengths = pad_prompts(prompts, pad_id)
+    batch, width = tokens.shape
+    vocab = policy.config.vocab_size
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} is not one of {METHODS}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        raise ValueError(
+            f"prompt token ids must be in [0, {vocab}); got min {tokens.min()}, max {tokens.max()}"
+        )
+    bad_stops = [t for t in stop_tokens if not 0 <= int(t) < vocab]
+    if bad_stops:
+        raise ValueError(f"stop_tokens {bad_stops} are outside the vocabulary [0, {vocab})")
+    if drafter is not None:
+        drafter.check_compatible(policy)
+        if method == "rejection" and not drafter.supports_rejection:
+            raise ValueError(
+                f"method='rejection' needs sampled chain drafts with their probabilities; "
+                f"{type(drafter).__name__} with these settings does not provide them "
+                f"(use method='replay', which is lossless for any draft)"
+            )
+    num_nodes = 0 if drafter is None else drafter.num_nodes
+    max_depth = 0 if drafter is None else drafter.max_depth
+    # Headroom: a verify step feeds num_nodes + 1 tokens and may emit max_depth + 1.
+    max_len = width + max_new_tokens + num_nodes + 1
+    limit = policy.config.max_position_embeddings
+    if max_len > limit:
+        raise ValueError(
+            f"prompt length {width} + max_new_tokens {max_new_tokens} + draft headroom "
+            f"{num_nodes + 1} = {max_len} exceeds the policy's max_position_embeddings {limit}"
+        )
+    rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
+    if rows.shape != (batch,):
+        raise ValueError(f"rows must have shape ({batch},); got {rows.shape}")
+    stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+
+    start = time.perf_counter()
+    out = _generate_jit(
+        policy,
+        drafter,
+        jnp.asarray(tokens),
+        jnp.asarray(prompt_lengths),
+        sampling,
+        key,
+        stops,
+        rows,
+        max_new_tokens=int(max_new_tokens),
+        max_len=max_len,
+        method=method,
+        pad_id=pad_id,
+    )
+    jax.block_until_ready(out)
+    wall = jnp.asarray(time.perf_counter() - start, jnp.float32)
+    return dataclasses.replace(out, stats=dataclasses.replace(out.stats, wall_time_s=wall))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _LoopState:
+    buffer: jax.Array  # [batch, max_len] prompt + generated tokens
+    logprobs: jax.Array  # [batch, max_len] log-probs of generated tokens at their positions
+    lengths: jax.Array  # [batch] committed tokens (the root is the last of them)
+    done: jax.Array  # [batch] bool
+    cache: KVCache
+    draft_state: Any
+    stats: RolloutStats
+
+
+@partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id"))
+def _generate_jit(
+    policy,
+    drafter,
+    prompt_tokens,  # [batch, width]
+    prompt_lengths,  # [batch]
+    sampling,
+    key,
+    stops,  # [num_stops]
+    rows,  # [batch]
+    *,
+    max_new_tokens: int,
+    max_len: int,
+    method: str,
+    pad_id: int,
+):
+    batch, width = prompt_tokens.shape
+    num_nodes = 0 if drafter is None else drafter.num_nodes
+    max_depth = 0 if drafter is None else drafter.max_depth
+    capture = () if drafter is None else drafter.capture_layers
+
+    buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
+    # Prefill every prompt token but the last: the last is the first root.
+    pre_positions = jnp.arange(width, dtype=jnp.int32)[None, :]
+    pre_positions = jnp.where(pre_positions < prompt_lengths[:, None] - 1, pre_positions, -1)
+    cache = policy.init_cache(batch, max_len)
+    _, captured, cache = policy.forward(
+        prompt_tokens, pre_positions, cache, capture=capture
+    )
+    draft_state = None
+    if drafter is not None:
+        draft_state = drafter.init_state(policy, batch, max_len)
+        next_tokens = jnp.roll(prompt_tokens, -1, axis=1)
+        draft_state = drafter.observe(
+            draft_state, policy, prompt_tokens, next_tokens, pre_positions, captured
+        )
+
+    zeros_b = jnp.zeros((batch,), jnp.int32)
+    stats = RolloutStats(
+        target_forwards=jnp.zeros((), jnp.int32),
+        draft_forwards=jnp.zeros((), jnp.int32),
+        row_steps=zeros_b,
+        tokens_generated=zeros_b,
+        accepted_at=jnp.zeros((max_depth,), jnp.int32),
+        proposed_at=jnp.zeros((max_depth,), jnp.int32),
+        wall_time_s=jnp.zeros((), jnp.float32),
+    )
+    state = _LoopState(
+        buffer=buffer,
+        logprobs=jnp.zeros((batch, max_len), jnp.float32),
+        lengths=prompt_lengths.astype(jnp.int32),
+        done=jnp.zeros((batch,), bool),
+        cache=cache,
+        draft_state=draft_state,
+        stats=stats,
+    )
+    budget_end = prompt_lengths + max_new_tokens  # [batch] exclusive end of generation
+
+    def cond(s: _LoopState):
+        return jnp.any(~s.done)
+
+    def body(s: _LoopState):
+        active = ~s.done
+        root_pos = s.lengths - 1
+        root = jnp.take_along_axis(s.buffer, root_pos[:, None], axis=1)  # [batch, 1]
+        if drafter is None:
+            tree = Tree.chain(jnp.zeros((batch, 0), jnp.int32))
+            draft_probs = None
+            draft_state = None
+            draft_forwards = 0
+        else:
+            ctx = DraftContext(
+                buffer=s.buffer,
+                lengths=s.lengths,
+                key=jax.random.fold_in(jax.random.fold_in(key, 7), s.stats.target_forwards),
+                sampling=sampling,
+                sampled=method == "rejection",
+            )
+            tree, draft_probs, draft_state = drafter.propose(s.draft_state, policy, ctx)
+            draft_forwards = drafter.forwards_per_propose
+        fed = jnp.concatenate([root, tree.tokens], axis=1)  # [batch, N+1]
+        positions = tree.positions(root_pos)
+        positions = jnp.where(active[:, None], positions, -1)
+        mask = tree.attention_mask()
+        logits, captured, cache = policy.forward(fed, positions, s.cache, mask=mask, capture=capture)
+        # Plain decoding is verification of an empty tree: one code path for both.
+        verdict = verify(
+            key, logits, tree, sampling, method=method, positions=s.lengths,
+            draft_probs=draft_probs, rows=rows,
+        )
+        num_accepted, emitted, emitted_logp, path = (
+            verdict.num_accepted, verdict.tokens, verdict.logprobs, verdict.path,
+        )
+        span = emitted.shape[1]  # D + 1
+        offs = jnp.arange(span, dtype=jnp.int32)[None, :]
+        n_emit = num_accepted + 1
+        # Cut at the first stop token and at the row's token budget.
+        is_stop = jnp.any(emitted[..., None] == stops[None, None, :], axis=-1) & (offs < n_emit[:, None])
+        first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, span + 1)
+        n_emit = jnp.minimum(n_emit, first_stop)
+        n_emit = jnp.minimum(n_emit, budget_end - s.lengths)
+        n_emit = jnp.where(active, n_emit, 0)
+        hit_stop = (first_stop <= n_emit) & active
+        new_lengths = s.lengths + n_emit
+        done = s.done | hit_stop | (new_lengths >= budget_end)
+
+        write_at = jnp.where(offs < n_emit[:, None], s.lengths[:, None] + offs, max_len)
+        b_idx = jnp.arange(batch)[:, None]
+        buffer = s.buffer.at[b_idx, write_at].set(emitted, mode="drop")
+        logprobs = s.logprobs.at[b_idx, write_at].set(emitted_logp, mode="drop")
+
+        kept = jnp.where((offs < (num_accepted + 1)[:, None]) & active[:, None], path, -1)
+        cache = compact(cache, kept, num_fed=num_nodes + 1, fed_mask=active)
+        if drafter is not None:
+            kept_idx = jnp.maximum(kept, 0)
+            kept_tokens = jnp.take_along_axis(fed, kept_idx, axis=1)
+            kept_pos = jnp.where(kept >= 0, root_pos[:, None] + offs, -1)
+            kept_captured = {
+                layer: jnp.take_along_axis(h, kept_idx[..., None], axis=1)
+                for layer, h in captured.items()
+            }
+            draft_state = drafter.observe(
+                draft_state, policy, kept_tokens, emitted, kept_pos, kept_captured
+            )
+            drafter_obs = drafter.forwards_per_observe
+        else:
+            drafter_obs = 0
+
+        depth_ids = jnp.arange(max_depth, dtype=jnp.int32)[None, :]
+        st = s.stats
+        stats = RolloutStats(
+            target_forwards=st.target_forwards + 1,
+            draft_forwards=st.draft_forwards + draft_forwards + drafter_obs,
+            row_steps=st.row_steps + active.astype(jnp.int32),
+            tokens_generated=st.tokens_generated + n_emit,
+            accepted_at=st.accepted_at
+            + jnp.sum((depth_ids < num_accepted[:, None]) & active[:, None], axis=0),
+            proposed_at=st.proposed_at + jnp.sum(active) * jnp.ones((max_depth,), jnp.int32),
+            wall_time_s=st.wall_time_s,
+        )
+        return _LoopState(buffer, logprobs, new_lengths, done, cache, draft_state, stats)
+
+    final = jax.lax.while_loop(cond, body, state)
+    gen_idx = prompt_lengths[:, None] + jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
+    n_gen = final.lengths - prompt_lengths
+    valid = jnp.arange(max_new_tokens)[None, :] < n_gen[:, None]
+    out_tokens = jnp.where(valid, jnp.take_along_axis(final.buffer, gen_idx, axis=1), pad_id)
+    out_logp = jnp.where(valid, jnp.take_along_axis(final.logprobs, gen_idx, axis=1), 0.0)
+    return Rollouts(out_tokens, n_gen, out_logp, final.stats)

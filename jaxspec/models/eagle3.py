@@ -1,0 +1,351 @@
+"""EAGLE-3 draft head: fuse three target layers, one decoder layer, reduced-vocab LM head.
+
+Layout (the one vLLM and SGLang read): `fc` (3·H_target -> H, no bias) fuses the captured
+target hidden states; the layer's attention input is [input_layernorm(token embedding);
+hidden_norm(fused hidden)] (2H); residual = fused hidden; post-attention norm + SwiGLU
+MLP; final `norm`; `lm_head` over `draft_vocab_size` tokens, mapped back to target ids by
+`d2t` (target id = i + d2t[i]). The token embedding is the target's, frozen, so the head
+does not hold one. Later draft steps feed back the head's own pre-norm output (H wide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.models.cache import KVCache
+from jaxspec.models.config import ModelConfig, default_eagle3_layers
+from jaxspec.models.layers import MLP, Attention, RMSNorm, apply_rope, logical_param
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """The head's decoder layer is described by a one-layer `ModelConfig` (its heads, RoPE,
+    norms, dtype and attention backend); the rest is what EAGLE-3 adds."""
+
+    layer: ModelConfig  # num_layers=1; vocab_size = the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    capture_layers: tuple[int, ...]
+
+    def __post_init__(self):
+        if not 1 <= self.draft_vocab_size <= self.layer.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [1, {self.layer.vocab_size}] (the target vocabulary); "
+                f"got {self.draft_vocab_size}"
+            )
+        if len(self.capture_layers) != 3:
+            raise ValueError(f"EAGLE-3 fuses 3 target layers; got capture_layers={self.capture_layers}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+
+class Eagle3Module(nnx.Module):
+    def __init__(self, cfg: Eagle3Config, rngs: nnx.Rngs):
+        lc = cfg.layer
+        dtype = lc.param_dtype
+        h, eps = lc.hidden_size, lc.rms_norm_eps
+        self.fc = logical_param(rngs, (3 * cfg.target_hidden_size, h), dtype, ("mlp", "embed"))
+        self.input_layernorm = RMSNorm(h, eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(h, eps, dtype=dtype)
+        self.self_attn = Attention(lc, in_features=2 * h, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype)
+        self.mlp = MLP(h, lc.intermediate_size, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(h, eps, dtype=dtype)
+        self.lm_head = logical_param(rngs, (h, cfg.draft_vocab_size), dtype, ("embed", "vocab"))
+        # Identity map until a vocabulary is chosen; not a Param, so optimizers skip it.
+        self.d2t = nnx.Variable(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
+
+    def fuse(self, features):  # [B,T,3*H_target] -> [B,T,H]
+        return features @ self.fc[...]
+
+    def layer_input(self, embeds, hidden):  # [B,T,H] x2 -> [B,T,2H]: [norm(embedding); norm(hidden)]
+        return jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(hidden)], axis=-1)
+
+    def project(self, x, positions):  # [B,T,2H], [B,T] -> q [B,T,Hq,D], k, v [B,T,Hkv,D]
+        """q/k/v as the attention computes them (for the training-time-test unroll)."""
+        attn = self.self_attn
+        q = apply_rope(jnp.einsum("btf,fnd->btnd", x, attn.q_proj[...]), positions, attn.config)
+        k = apply_rope(jnp.einsum("btf,fnd->btnd", x, attn.k_proj[...]), positions, attn.config)
+        v = jnp.einsum("btf,fnd->btnd", x, attn.v_proj[...])
+        return q, k, v
+
+    def finish(self, residual, attn_heads):  # [B,T,H], [B,T,Hq,D] -> pre-norm hidden [B,T,H]
+        h = residual + jnp.einsum("btnd,ndh->bth", attn_heads, self.self_attn.o_proj[...])
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def logits(self, hidden):  # [..., H] -> float32 [..., draft_vocab]
+        return (self.norm(hidden) @ self.lm_head[...]).astype(jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Eagle3Head:
+    """The head as a pytree: static config and graphdef, params (and d2t) as leaves."""
+
+    config: Eagle3Config = dataclasses.field(metadata=dict(static=True))
+    graphdef: Any = dataclasses.field(metadata=dict(static=True))
+    params: Any
+    buffers: Any  # non-trainable state: d2t
+
+    @staticmethod
+    def init(config: Eagle3Config, key: jax.Array) -> "Eagle3Head":
+        module = Eagle3Module(config, nnx.Rngs(params=key))
+        graphdef, params, buffers = nnx.split(module, nnx.Param, ...)
+        return Eagle3Head(config, graphdef, params, buffers)
+
+    @staticmethod
+    def init_for(policy, draft_vocab_size: int, key: jax.Array, *, capture_layers=None) -> "Eagle3Head":
+        """A head shaped like one layer of `policy`, over a draft vocabulary of the given size
+        (the first ids until `with_vocab` sets one chosen from token counts)."""
+        pc = policy.config
+        layers = tuple(capture_layers) if capture_layers is not None else default_eagle3_layers(pc.num_layers)
+        layer = pc.replace(num_layers=1, qk_norm=False, tie_embeddings=False, family="llama")
+        cfg = Eagle3Config(layer, int(draft_vocab_size), pc.hidden_size, layers)
+        head = Eagle3Head.init(cfg, key)
+        return head.with_vocab(np.arange(draft_vocab_size))
+
+    @property
+    def module(self) -> Eagle3Module:
+        return nnx.merge(self.graphdef, self.params, self.buffers)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.config.capture_layers
+
+    @property
+    def d2t(self) -> jax.Array:  # [draft_vocab]
+        return self.module.d2t.get_value()
+
+    def draft_to_target(self) -> jax.Array:  # [draft_vocab] target ids
+        return jnp.arange(self.config.draft_vocab_size, dtype=jnp.int32) + self.d2t
+
+    def with_vocab(self, target_ids) -> "Eagle3Head":
+        """Use these target ids (any order; stored sorted) as the draft vocabulary."""
+        ids = np.unique(np.asarray(target_ids, np.int64))
+        if ids.shape != (self.config.draft_vocab_size,) or ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(
+                f"a draft vocabulary needs {self.config.draft_vocab_size} distinct ids in "
+                f"[0, {self.config.vocab_size}); got {len(ids)} ids in [{ids.min()}, {ids.max()}]"
+            )
+        module = self.module
+        module.d2t.set_value(jnp.asarray(ids - np.arange(len(ids)), jnp.int32))
+        graphdef, params, buffers = nnx.split(module, nnx.Param, ...)
+        return Eagle3Head(self.config, graphdef, params, buffers)
+
+    def check_compatible(self, policy) -> None:
+        pc, hc = policy.config, self.config
+        problems = []
+        if pc.vocab_size != hc.vocab_size:
+            problems.append(f"vocab_size {hc.vocab_size} != policy's {pc.vocab_size}")
+        if pc.hidden_size != hc.target_hidden_size:
+            problems.append(f"target_hidden_size {hc.target_hidden_size} != policy's hidden_size {pc.hidden_size}")
+        if pc.hidden_size != hc.hidden_size:
+            problems.append(
+                f"hidden_size {hc.hidden_size} != policy's {pc.hidden_size} (the head uses the "
+                f"policy's token embedding)"
+            )
+        bad = [i for i in hc.capture_layers if not 0 <= i < pc.num_layers]
+        if bad:
+            problems.append(f"capture_layers {bad} outside the policy's {pc.num_layers} layers")
+        if problems:
+            raise ValueError("EAGLE-3 head does not match the policy: " + "; ".join(problems))
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.zeros(self.config.layer, batch, max_len)
+
+    def forward(
+        self,
+        embeds,  # [B, T, H] target token embeddings of the next tokens
+        hidden,  # [B, T, 3*H_target] target features (fuse=True) or [B, T, H] own output
+        positions,  # [B, T] int32; < 0 marks padding
+        cache: KVCache,
+        *,
+        mask=None,  # [B, T, T] bool among the new entries; default causal
+        fuse: bool,
+    ):
+        """One pass of the decoder layer over new entries; returns (pre-norm hidden, cache)."""
+        m = self.module
+        dtype = self.config.layer.param_dtype
+        hidden = hidden.astype(dtype)
+        if fuse:
+            hidden = m.fuse(hidden)
+        b, t = positions.shape
+        valid = positions >= 0
+        if mask is None:
+            mask = jnp.tril(jnp.ones((t, t), bool))[None]
+        mask = mask & valid[:, None, :]
+        s = cache.max_len
+        attn, k, v = m.self_attn(
+            m.layer_input(embeds.astype(dtype), hidden), jnp.maximum(positions, 0),
+            cache.k[0], cache.v[0], jnp.minimum(cache.lengths, s), mask,
+        )
+        h = hidden + attn
+        out = h + m.mlp(m.post_attention_layernorm(h))
+        return out, cache.append(0, k, v, valid).advance(valid)
+
+    def logits(self, hidden):  # [..., H] -> float32 [..., draft_vocab]
+        return self.module.logits(hidden)
+
+    def target_logits(self, hidden):  # [..., H] -> float32 [..., vocab]: -inf outside the draft vocab
+        draft = self.logits(hidden)
+        full = jnp.full(draft.shape[:-1] + (self.config.vocab_size,), -jnp.inf, jnp.float32)
+        return full.at[..., self.draft_to_target()].set(draft)
+
+
+def choose_draft_vocab(token_counts, draft_vocab_size: int) -> np.ndarray:  # [V] -> [draft_vocab] ids
+    """The `draft_vocab_size` most frequent target ids (ties to the lower id), sorted by id."""
+    counts = np.asarray(token_counts)
+    if draft_vocab_size > counts.shape[0]:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} exceeds the vocabulary size {counts.shape[0]}")
+    order = np.lexsort((np.arange(counts.shape[0]), -counts))
+    return np.sort(order[:draft_vocab_size])
+
+
+# --------------------------------------------------------------------------- checkpoints
+#
+# The layout vLLM and SGLang read: llama-style config.json with `draft_vocab_size` and one
+# hidden layer; torch Linear weights are [out, in]. The aux layer ids in config.json count
+# HF hidden_states (the input of layer i+1 = output of layer i), ours count layer outputs.
+
+_ARCH = "LlamaForCausalLMEagle3"
+
+
+def _eagle3_table(cfg: Eagle3Config):
+    """(name, our path, to_hf, to_ours) for every tensor but d2t / t2d."""
+    lc = cfg.layer
+    h, nq, nkv, d = lc.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim
+    t = lambda w: w.T  # noqa: E731
+    qkv = lambda n: (lambda w: w.reshape(2 * h, n * d).T, lambda w: w.T.reshape(2 * h, n, d))  # noqa: E731
+    o = (lambda w: w.reshape(nq * d, h).T, lambda w: w.T.reshape(nq, d, h))
+    ident = lambda w: w  # noqa: E731
+    return [
+        ("fc.weight", ("fc",), t, t),
+        ("midlayer.self_attn.q_proj.weight", ("self_attn", "q_proj"), *qkv(nq)),
+        ("midlayer.self_attn.k_proj.weight", ("self_attn", "k_proj"), *qkv(nkv)),
+        ("midlayer.self_attn.v_proj.weight", ("self_attn", "v_proj"), *qkv(nkv)),
+        ("midlayer.self_attn.o_proj.weight", ("self_attn", "o_proj"), *o),
+        ("midlayer.mlp.gate_proj.weight", ("mlp", "gate_proj"), t, t),
+        ("midlayer.mlp.up_proj.weight", ("mlp", "up_proj"), t, t),
+        ("midlayer.mlp.down_proj.weight", ("mlp", "down_proj"), t, t),
+        ("midlayer.input_layernorm.weight", ("input_layernorm", "scale"), ident, ident),
+        ("midlayer.hidden_norm.weight", ("hidden_norm", "scale"), ident, ident),
+        ("midlayer.post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), ident, ident),
+        ("norm.weight", ("norm", "scale"), ident, ident),
+        ("lm_head.weight", ("lm_head",), t, t),
+    ]
+
+
+def save_eagle3(head: Eagle3Head, path) -> None:
+    """Write config.json + model.safetensors in the layout vLLM / SGLang serve."""
+    from safetensors.numpy import save_file
+
+    from jaxspec.models.hf import config_to_hf
+    from jaxspec.models.transformer import param_path
+
+    cfg = head.config
+    path = pathlib.Path(path).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    flat = {param_path(kp): np.asarray(jax.device_get(x)) for kp, x in jax.tree_util.tree_flatten_with_path(head.params)[0]}
+    tensors = {name: np.ascontiguousarray(to_hf(flat[p])) for name, p, to_hf, _ in _eagle3_table(cfg)}
+    d2t = np.asarray(jax.device_get(head.d2t), np.int64)
+    t2d = np.zeros((cfg.vocab_size,), bool)
+    t2d[np.arange(cfg.draft_vocab_size) + d2t] = True
+    tensors["d2t"], tensors["t2d"] = d2t, t2d
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = config_to_hf(cfg.layer)
+    hf.update(
+        architectures=[_ARCH],
+        model_type="llama",
+        draft_vocab_size=cfg.draft_vocab_size,
+        target_hidden_size=cfg.target_hidden_size,
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.capture_layers],
+            "use_aux_hidden_state": True,
+        },
+    )
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+def load_eagle3(path, *, dtype: str | None = None, attention_backend: str = "reference") -> Eagle3Head:
+    """Load an EAGLE-3 head saved by `save_eagle3`, vLLM or SGLang tooling (local dir only)."""
+    from safetensors import safe_open
+
+    from jaxspec.models.hf import HFCheckpointError, config_from_hf
+    from jaxspec.models.transformer import param_path
+
+    path = pathlib.Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"EAGLE-3 head directory {str(path)!r} does not exist (nothing is downloaded)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} is missing: an EAGLE-3 head needs config.json")
+    hf = json.loads(config_file.read_text())
+    if "draft_vocab_size" not in hf:
+        raise HFCheckpointError(f"{config_file} has no draft_vocab_size: not an EAGLE-3 head config")
+    if hf.get("num_hidden_layers", 1) != 1:
+        raise HFCheckpointError(f"{config_file}: num_hidden_layers={hf['num_hidden_layers']}; EAGLE-3 heads have 1")
+    layer = config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+                           dtype=dtype or "float32", attention_backend=attention_backend)
+    ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        raise HFCheckpointError(
+            f"{config_file} has no eagle_config.eagle_aux_hidden_state_layer_ids; pass the "
+            f"target's captured layers by writing them there (HF hidden_states indices)"
+        )
+    cfg = Eagle3Config(
+        layer=layer,
+        draft_vocab_size=int(hf["draft_vocab_size"]),
+        target_hidden_size=int(hf.get("target_hidden_size") or layer.hidden_size),
+        capture_layers=tuple(int(i) - 1 for i in ids),
+    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="np") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    tensors.pop("embed_tokens.weight", None)  # some exports carry the target's embedding
+    table = _eagle3_table(cfg)
+    abstract = jax.eval_shape(lambda: Eagle3Head.init(cfg, jax.random.key(0)))
+    shapes = {param_path(kp): x.shape for kp, x in jax.tree_util.tree_flatten_with_path(abstract.params)[0]}
+    expected = {name for name, *_ in table} | {"d2t", "t2d"}
+    missing = sorted(expected - set(tensors))
+    unexpected = sorted(set(tensors) - expected)
+    wrong = []
+    values = {}
+    for name, p, _, to_ours in table:
+        if name in tensors:
+            value = to_ours(tensors[name])
+            if value.shape != shapes[p]:
+                wrong.append(f"{name}: {tensors[name].shape}")
+            values[p] = value
+    if missing or unexpected or wrong:
+        raise HFCheckpointError(
+            f"EAGLE-3 head in {path} does not match its config: missing {missing}, "
+            f"unexpected {unexpected}, wrong shapes {wrong}"
+        )
+    np_dtype = jnp.dtype(cfg.layer.param_dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract.params)
+    params = jax.tree_util.tree_unflatten(
+        treedef, [jnp.asarray(values[param_path(kp)], np_dtype) for kp, _ in leaves]
+    )
+    buffers = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract.buffers)
+    head = Eagle3Head(cfg, abstract.graphdef, params, buffers)
+    d2t = np.asarray(tensors["d2t"], np.int64)
+    return head.with_vocab(np.arange(cfg.draft_vocab_size) + d2t)

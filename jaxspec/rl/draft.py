@@ -1,0 +1,129 @@
+"""EAGLE-3 draft training: the training-time-test (TTT) loss and its optax update.
+
+The head is unrolled for `steps` steps over whole sequences. Step 0 feeds the fused target
+features f_t with the embedding of token t+1 at position t; step s > 0 feeds the head's own
+step s-1 output at the same position with the embedding of token t+1+s, RoPE position t+s.
+Attention at step s sees step 0's keys causally plus, diagonally, the same position's keys
+from steps 1..s — exactly what the head sees when it drafts s tokens ahead at inference.
+Each step's loss is the soft cross-entropy between the target's distribution restricted to
+the draft vocabulary and the head's, weighted decay**s. Features are stop-gradient: draft
+training never touches the policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def _ttt_attention(q, k0, v0, diag_k, diag_v, valid):
+    """q [B,T,Hq,D]; k0/v0 [B,T,Hkv,D] step-0 keys; diag_* lists of [B,T,Hkv,D]; valid [B,T]."""
+    b, t, hq, d = q.shape
+    hkv = k0.shape[2]
+    g = hq // hkv
+    qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d) * d**-0.5
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qf, k0.astype(jnp.float32))  # [B,hkv,g,T,T]
+    causal = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+    s0 = jnp.where(causal[:, None, None], s0, -jnp.inf)
+    sd = [jnp.einsum("btkgd,btkd->bkgt", qf, kj.astype(jnp.float32))[..., None] for kj in diag_k]
+    scores = jnp.concatenate([s0] + sd, axis=-1)
+    w = jax.nn.softmax(scores, axis=-1)
+    w = jnp.where(jnp.isnan(w), 0.0, w)
+    out = jnp.einsum("bkgts,bskd->btkgd", w[..., :t], v0.astype(jnp.float32))
+    for j, vj in enumerate(diag_v):
+        out = out + w[..., t + j].transpose(0, 3, 1, 2)[..., None] * vj.astype(jnp.float32)[:, :, :, None, :]
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def ttt_logits(head, params, embed_fn, features, tokens, valid, steps: int):
+    """Draft logits [steps, B, T, draft_vocab] of the unrolled head.
+
+    features [B,T,3H] target features (stop-gradient applied here); tokens [B,T] the
+    sequence; valid [B,T] real (non-pad) positions; embed_fn maps tokens to the target's
+    frozen embeddings.
+    """
+    module = nnx.merge(head.graphdef, params, head.buffers)
+    b, t = tokens.shape
+    dtype = head.config.layer.param_dtype
+    features = jax.lax.stop_gradient(features).astype(dtype)
+    base_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    hidden = module.fuse(features)
+    k0 = v0 = None
+    diag_k, diag_v, out_logits = [], [], []
+    for s in range(steps):
+        nxt = jnp.roll(tokens, -(1 + s), axis=1)
+        embeds = jax.lax.stop_gradient(embed_fn(nxt)).astype(dtype)
+        q, k, v = module.project(module.layer_input(embeds, hidden), base_pos + s)
+        if s == 0:
+            k0, v0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        attn = _ttt_attention(q, k0, v0, diag_k, diag_v, valid)
+        hidden = module.finish(hidden, attn)
+        out_logits.append(module.logits(hidden))
+    return jnp.stack(out_logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftLossConfig:
+    steps: int = 7
+    decay: float = 0.8
+
+
+def draft_loss(head, params, embed_fn, features, tokens, target_logits, loss_mask, cfg: DraftLossConfig):
+    """Σ_s decay^s · soft-CE_s; returns (loss, metrics).
+
+    target_logits [B,T,V] the policy's logits (position t predicts token t+1);
+    loss_mask [B,T] true where token t is a response token (the draft is trained to
+    predict those only).
+    """
+    b, t = tokens.shape
+    valid = jnp.ones((b, t), bool)
+    logits = ttt_logits(head, params, embed_fn, features, tokens, valid, cfg.steps)
+    ids = head.draft_to_target()
+    target_logits = jax.lax.stop_gradient(target_logits.astype(jnp.float32))
+    in_draft = jnp.zeros((head.config.vocab_size,), bool).at[ids].set(True)
+    target_argmax_ok = in_draft[jnp.argmax(target_logits, axis=-1)]  # [B,T]
+    p_draft = jax.nn.softmax(target_logits[..., ids], axis=-1)  # [B,T,Vd]
+    total = jnp.zeros((), jnp.float32)
+    metrics: dict[str, Any] = {}
+    pos = jnp.arange(t)[None, :]
+    for s in range(cfg.steps):
+        # Step s at position t predicts token t+2+s from the target's logits at t+1+s.
+        shift = 1 + s
+        tgt = jnp.roll(p_draft, -shift, axis=1)
+        ok = jnp.roll(loss_mask, -(shift + 1), axis=1) & jnp.roll(target_argmax_ok, -shift, axis=1) & (pos + shift + 1 < t)
+        logq = jax.nn.log_softmax(logits[s], axis=-1)
+        ce = -jnp.sum(tgt * logq, axis=-1)
+        n = jnp.maximum(jnp.sum(ok), 1)
+        loss_s = jnp.sum(jnp.where(ok, ce, 0.0)) / n
+        acc_s = jnp.sum(ok & (jnp.argmax(logits[s], -1) == jnp.argmax(tgt, -1))) / n
+        total = total + cfg.decay**s * loss_s
+        metrics[f"draft_loss_{s}"] = loss_s
+        metrics[f"draft_acc_{s}"] = acc_s
+    metrics["draft_loss"] = total
+    return total, metrics
+
+
+def draft_optimizer(lr: float = 5e-5, *, b1: float = 0.9, b2: float = 0.95, weight_decay: float = 0.0, clip_norm: float = 0.5):
+    """AdamW with its own global-norm clip: the draft never shares a clip with the policy."""
+    return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+
+
+def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, target_logits, loss_mask, cfg):
+    """One optax update of the head's params; returns (head, opt_state, metrics)."""
+
+    def loss_fn(params):
+        return draft_loss(head, params, embed_fn, features, tokens, target_logits, loss_mask, cfg)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
+    updates, opt_state = optimizer.update(grads, opt_state, head.params)
+    params = optax.apply_updates(head.params, updates)
+    metrics["draft_grad_norm"] = optax.global_norm(grads)
+    return dataclasses.replace(head, params=params), opt_state, metrics

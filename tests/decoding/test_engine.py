@@ -1,0 +1,166 @@
+"""The rollout engine: speculative rollouts equal plain rollouts token for token.
+
+Replay verification draws, at every position, the token the plain sampler would draw with
+the same key, so for ANY drafter the speculative rollout must equal the plain one exactly
+(float32; the verify and decode forwards differ only in rounding). Greedy likewise.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decoding import SamplingConfig, process_logits
+from jaxspec.decoding.drafters import DraftContext, DraftModelDrafter, Eagle3Drafter, NGramDrafter, TreeSpec
+from jaxspec.decoding.engine import generate
+from jaxspec.models import ModelConfig, Policy
+from jaxspec.models.eagle3 import Eagle3Head
+
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5], [77, 3], [40, 41, 42, 43, 40, 41]]
+MAX_NEW = 14
+KEY = jax.random.key(11)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return Policy.init(ModelConfig.tiny("qwen3", num_layers=2), jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def drafters(policy):
+    small = Policy.init(ModelConfig.tiny("qwen3", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), jax.random.key(2))
+    head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
+    return {
+        "ngram": NGramDrafter(k=3, min_n=1, max_n=2),
+        "draft_model": DraftModelDrafter(small, k=2),
+        "eagle3_chain": Eagle3Drafter(head, k=3),
+        "eagle3_tree": Eagle3Drafter(head, tree=TreeSpec(top_k=3, depth=3, budget=7)),
+        "self_draft": DraftModelDrafter(policy, k=3),
+    }
+
+
+def _plain(policy, temperature, stops=()):
+    return generate(policy, PROMPTS, sampling=SamplingConfig(temperature=temperature),
+                    max_new_tokens=MAX_NEW, key=KEY, stop_tokens=stops)
+
+
+@pytest.fixture(scope="module")
+def stop_token(policy):
+    """A token that ends row 0 early (its 6th greedy token), so early stops are exercised."""
+    r = _plain(policy, 0.0)
+    return int(r.tokens[0, 5])
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "eagle3_chain", "eagle3_tree", "self_draft"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_equals_plain(policy, drafters, stop_token, name, temperature):
+    stops = (stop_token,)
+    plain = _plain(policy, temperature, stops)
+    spec = generate(policy, PROMPTS, drafter=drafters[name], sampling=SamplingConfig(temperature=temperature),
+                    max_new_tokens=MAX_NEW, key=KEY, stop_tokens=stops)
+    np.testing.assert_array_equal(spec.lengths, plain.lengths)
+    np.testing.assert_array_equal(spec.tokens, plain.tokens)
+    np.testing.assert_allclose(spec.logprobs, plain.logprobs, atol=1e-5)
+    if temperature == 0.0:
+        assert int(plain.lengths[0]) <= 6  # the stop token cut row 0 short
+    # Speculation must use fewer policy forwards than tokens whenever drafts get accepted.
+    assert spec.stats.acceptance_length >= 1.0
+    assert int(spec.stats.target_forwards) <= int(plain.stats.target_forwards)
+
+
+def test_greedy_method_on_a_tree(policy, drafters):
+    plain = _plain(policy, 0.0)
+    spec = generate(policy, PROMPTS, drafter=drafters["eagle3_tree"], method="greedy",
+                    sampling=SamplingConfig(temperature=0.0), max_new_tokens=MAX_NEW, key=KEY)
+    np.testing.assert_array_equal(spec.tokens, plain.tokens)
+
+
+def test_logprobs_match_a_fresh_forward(policy, drafters):
+    """Emitted log-probs are log p(token) under the processed policy, as a full forward
+    over the finished sequences computes them (top-k/top-p/temperature applied)."""
+    cfg = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
+    r = generate(policy, PROMPTS, drafter=drafters["eagle3_chain"], sampling=cfg, max_new_tokens=MAX_NEW, key=KEY)
+    for b, prompt in enumerate(PROMPTS):
+        n = int(r.lengths[b])
+        seq = jnp.asarray([prompt + np.asarray(r.tokens[b, :n]).tolist()])
+        logits, _, _ = policy.forward(seq, jnp.arange(seq.shape[1])[None])
+        logp = process_logits(logits[0, len(prompt) - 1 : -1], cfg)
+        want = np.take_along_axis(np.asarray(logp), np.asarray(r.tokens[b, :n])[:, None], 1)[:, 0]
+        np.testing.assert_allclose(np.asarray(r.logprobs[b, :n]), want, atol=1e-5)
+        assert np.all(np.asarray(r.logprobs[b, n:]) == 0)
+
+
+def test_acceptance_stats_closed_form(policy, drafters):
+    """Drafting with the policy itself: every greedy draft is accepted, so each forward emits
+    k+1 tokens except where the budget cuts; rejection sampling with q == p accepts all too."""
+    d = drafters["self_draft"]
+    for method, temp in (("replay", 0.0), ("rejection", 1.0)):
+        r = generate(policy, PROMPTS, drafter=d, method=method, sampling=SamplingConfig(temperature=temp),
+                     max_new_tokens=12, key=KEY)
+        steps = np.asarray(r.stats.row_steps)
+        np.testing.assert_array_equal(steps, np.ceil(12 / 4) * np.ones(3))
+        assert r.stats.acceptance_length == pytest.approx(12 / 3)
+        np.testing.assert_allclose(r.stats.per_position_acceptance, [1.0, 1.0, 1.0])
+    plain = _plain(policy, 1.0)
+    assert plain.stats.acceptance_length == 1.0
+    np.testing.assert_array_equal(plain.stats.row_steps, plain.lengths)
+
+
+def test_bf16_mismatch_rate_is_small(policy, drafters):
+    """In bf16 the verify forward (k+1 tokens) and the decode forward (1 token) round
+    differently, so replay can pick a different token where two candidates are within
+    rounding; after the first difference the rows diverge. We measure the share of
+    generated tokens before the first divergence (docs/BENCHMARKS.md reports it)."""
+    pol16 = policy.astype("bfloat16")
+    head = Eagle3Head.init_for(pol16, 96, jax.random.key(1))
+    cfg = SamplingConfig(temperature=1.0)
+    plain = generate(pol16, PROMPTS, sampling=cfg, max_new_tokens=MAX_NEW, key=KEY)
+    spec = generate(pol16, PROMPTS, drafter=Eagle3Drafter(head, k=3), sampling=cfg, max_new_tokens=MAX_NEW, key=KEY)
+    same = np.asarray(spec.tokens) == np.asarray(plain.tokens)
+    agree_prefix = np.argmin(np.concatenate([same, np.zeros((3, 1), bool)], 1), axis=1)
+    assert agree_prefix.mean() / MAX_NEW >= 0.5
+
+
+def _ngram_numpy(history, k, min_n, max_n):
+    """Plain-python prompt lookup: latest earlier match of the longest suffix n-gram."""
+    L = len(history)
+    for n in range(max_n, min_n - 1, -1):
+        if L < n + 1:
+            continue
+        suffix = history[L - n :]
+        for j in range(L - n - 1, -1, -1):
+            if history[j : j + n] == suffix:
+                cont = history[j + n : j + n + k]
+                return cont + [history[-1]] * (k - len(cont))
+    return [history[-1]] * k
+
+
+def test_ngram_lookup_matches_python_reference():
+    rng = np.random.default_rng(0)
+    width, batch = 24, 16
+    buf = rng.integers(0, 4, size=(batch, width)).astype(np.int32)
+    lengths = rng.integers(1, width + 1, size=batch).astype(np.int32)
+    d = NGramDrafter(k=4, min_n=1, max_n=3)
+    ctx = DraftContext(jnp.asarray(buf), jnp.asarray(lengths), jax.random.key(0), SamplingConfig(), False)
+    tree, _, _ = d.propose(None, None, ctx)
+    for b in range(batch):
+        want = _ngram_numpy(buf[b, : lengths[b]].tolist(), 4, 1, 3)
+        assert np.asarray(tree.tokens[b]).tolist() == want, b
+
+
+def test_bad_inputs_fail_before_compiling(policy):
+    with pytest.raises(ValueError, match="draft length k must be an int >= 1; got 0"):
+        NGramDrafter(k=0)
+    other = Policy.init(ModelConfig.tiny("qwen3", vocab_size=64, num_layers=1), jax.random.key(0))
+    with pytest.raises(ValueError, match="vocabulary size 64 differs from the policy's 128"):
+        generate(policy, PROMPTS, drafter=DraftModelDrafter(other, k=2), max_new_tokens=4, key=KEY)
+    with pytest.raises(ValueError, match="exceeds the policy's max_position_embeddings 512"):
+        generate(policy, [[1] * 600], max_new_tokens=4, key=KEY)
+    with pytest.raises(ValueError, match="method='rejection' needs sampled chain drafts"):
+        generate(policy, PROMPTS, drafter=NGramDrafter(k=2), method="rejection", max_new_tokens=4, key=KEY)
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 128\)"):
+        generate(policy, [[1, 200]], max_new_tokens=4, key=KEY)
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        generate(policy, [[1], []], max_new_tokens=4, key=KEY)
+    with pytest.raises(ValueError, match="TreeSpec.budget 40 exceeds"):
+        TreeSpec(top_k=2, depth=2, budget=40)
