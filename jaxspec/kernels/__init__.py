@@ -1,26 +1,194 @@
-"""Draft-tree verification attention: a jnp reference and kernel backends."""
+"""Draft-tree verification attention: a jnp reference and kernel backends.
+
+`tree_attention` is the one entry point. Backends:
+
+- ``reference``: plain jnp, the oracle in tests and the default on CPU/TPU;
+- ``pallas``: a Pallas kernel (Triton lowering on GPU, ``interpret=True`` elsewhere);
+- ``triton``: a Triton kernel called through jax-triton (CUDA only, imported lazily);
+- ``auto``: reference on CPU/TPU; on GPU triton if jax_triton imports, else pallas.
+
+Kernel backends are differentiable: their VJP recomputes the reference's (the
+forward pass is the fast one; training-time attention goes through the reference
+math anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
 
 from jaxspec.kernels.reference import tree_attention_reference
+
+BACKENDS = ("auto", "reference", "pallas", "triton")
+
+
+def _platform() -> str:
+    return jax.default_backend()  # "cpu", "gpu" (CUDA and ROCm) or "tpu"
+
+
+@functools.cache
+def jax_triton_available() -> bool:
+    """Whether jax_triton imports here (never true on a CPU-only jaxlib)."""
+    try:
+        import jax_triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """Maps a backend name (possibly "auto") to the concrete backend, or raises."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown tree_attention backend {backend!r}; valid backends: {', '.join(BACKENDS)}"
+        )
+    platform = _platform() if platform is None else platform
+    if backend == "auto":
+        if platform != "gpu":
+            return "reference"
+        return "triton" if jax_triton_available() else "pallas"
+    if backend == "triton" and platform != "gpu":
+        raise ValueError(
+            f"tree_attention backend 'triton' needs a CUDA GPU, but JAX's platform is "
+            f"{platform!r}; use backend='reference' (or 'pallas', interpreted off-GPU)"
+        )
+    return backend
+
+
+def _check_inputs(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask):
+    """One clear error per malformed input, before any tracing of kernels."""
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(
+            f"tree_attention wants q [B,N,Hq,D] and k_cache [B,S,Hkv,D]; got q {q.shape}, "
+            f"k_cache {k_cache.shape}"
+        )
+    b, n, hq, d = q.shape
+    _, s, hkv, dk = k_cache.shape
+    expected = {
+        "k_cache": (k_cache.shape, (b, s, hkv, d)),
+        "v_cache": (v_cache.shape, (b, s, hkv, d)),
+        "cache_lengths": (cache_lengths.shape, (b,)),
+        "k_new": (k_new.shape, (b, n, hkv, d)),
+        "v_new": (v_new.shape, (b, n, hkv, d)),
+        "tree_mask": (tree_mask.shape, (b, n, n)),
+    }
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(
+                f"tree_attention: {name} has shape {tuple(got)}, expected {want} "
+                f"(from q {q.shape} and k_cache {k_cache.shape})"
+            )
+    if hq % hkv:
+        raise ValueError(f"tree_attention: q heads ({hq}) must be a multiple of kv heads ({hkv})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelCall:
+    """A kernel backend with its static settings (hashable: a nondiff argument)."""
+
+    backend: str
+    scale: float | None
+    knobs: tuple[tuple[str, object], ...]
+
+    def __call__(self, *args):
+        if self.backend == "pallas":
+            from jaxspec.kernels.pallas import tree_attention_pallas as fn
+        else:
+            from jaxspec.kernels.triton_backend import tree_attention_triton as fn
+        return fn(*args, scale=self.scale, **dict(self.knobs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _kernel_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, call):
+    return call(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
+
+
+def _kernel_attention_fwd(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, call):
+    out = call(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
+    return out, (q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
+
+
+def _kernel_attention_bwd(call, residuals, g):
+    q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask = residuals
+
+    def reference(q, k_cache, v_cache, k_new, v_new):
+        return tree_attention_reference(
+            q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=call.scale
+        )
+
+    _, vjp = jax.vjp(reference, q, k_cache, v_cache, k_new, v_new)
+    dq, dk, dv, dkn, dvn = vjp(g)
+    return dq, dk, dv, None, dkn, dvn, None
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
 def tree_attention(
     q,  # [batch, num_nodes, q_heads, head_dim]
     k_cache,  # [batch, max_len, kv_heads, head_dim]
     v_cache,  # [batch, max_len, kv_heads, head_dim]
-    cache_lengths,  # [batch]
+    cache_lengths,  # [batch] int: valid prefix slots per row
     k_new,  # [batch, num_nodes, kv_heads, head_dim]
     v_new,  # [batch, num_nodes, kv_heads, head_dim]
-    tree_mask,  # [batch, num_nodes, num_nodes] bool
+    tree_mask,  # [batch, num_nodes, num_nodes] bool: node i may attend to node j
     *,
-    backend: str = "reference",
+    backend: str = "auto",
     scale: float | None = None,
+    block_k: int | None = None,
+    block_r: int | None = None,
+    block_n: int | None = None,
+    kv_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool | None = None,
 ):
-    """Attention of N tree nodes over a ragged cached prefix plus the tree (ancestor mask)."""
-    if backend != "reference":
-        raise ValueError(f"tree_attention backend {backend!r} is not available; valid: 'reference'")
-    return tree_attention_reference(
-        q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=scale
+    """Attention of N tree nodes over a ragged cached prefix plus the tree (ancestor mask).
+
+    Output [batch, num_nodes, q_heads, head_dim] in q's dtype; scores and softmax
+    in float32; a node that may attend to nothing gets zeros. Tuning knobs (static;
+    None = the backend's default) never change the math and are ignored by
+    ``reference``; ``interpret`` (pallas only) defaults to True off-GPU.
+    """
+    _check_inputs(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
+    platform = _platform()
+    name = resolve_backend(backend, platform)
+    if name == "reference":
+        return tree_attention_reference(
+            q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=scale
+        )
+    dtypes = {x.dtype for x in (q, k_cache, v_cache, k_new, v_new)}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"tree_attention backend {name!r} needs q, k_cache, v_cache, k_new, v_new of one "
+            f"dtype; got {sorted(str(t) for t in dtypes)}"
+        )
+    knobs = dict(
+        block_k=block_k,
+        block_r=block_r,
+        block_n=block_n,
+        kv_splits=kv_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if name == "pallas":
+        knobs["interpret"] = platform != "gpu" if interpret is None else bool(interpret)
+    elif interpret:
+        raise ValueError(
+            "interpret=True is for backend='pallas'; the triton backend runs only on a GPU "
+            "(its kernel runs interpreted on CPU under TRITON_INTERPRET=1 with torch tensors)"
+        )
+    knobs = tuple(sorted((k, v) for k, v in knobs.items() if v is not None))
+    call = _KernelCall(name, None if scale is None else float(scale), knobs)
+    return _kernel_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, call)
 
 
-__all__ = ["tree_attention", "tree_attention_reference"]
+__all__ = [
+    "BACKENDS",
+    "jax_triton_available",
+    "resolve_backend",
+    "tree_attention",
+    "tree_attention_reference",
+]

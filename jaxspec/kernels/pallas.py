@@ -1,0 +1,231 @@
+"""Pallas draft-tree attention (Triton lowering on GPU, `interpret=True` on CPU).
+
+One program handles one (batch row, kv head, block of query rows, prefix split).
+Query rows are the N tree nodes times the q heads that share the kv head
+(GQA), so K and V of a kv head are read once for all of them. The program runs
+an online softmax over KV blocks of its part of the prefix, up to the row's
+cache length (a `fori_loop` with a data-dependent trip count and a masked tail
+block), then over the tree nodes in blocks under the ancestor mask (split 0 only).
+Splits are merged exactly in `split_kv.combine_splits`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxspec.kernels.split_kv import (
+    MIN_BLOCK,
+    check_block,
+    combine_splits,
+    next_pow2,
+    plan_splits,
+    prev_pow2,
+    row_block,
+)
+
+_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)  # fp32: IEEE, not TF32
+
+
+def _dot_t(a, b):  # a [m, k] @ b[n, k].T -> [m, n] float32
+    return lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def _dot(a, b):  # a [m, k] @ b [k, n] -> [m, n] float32
+    return lax.dot_general(
+        a, b, (((1,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def _online_softmax_step(carry, scores, allowed, v):
+    """One block of the online softmax; masked entries never contribute (no NaN when all are)."""
+    o, m, l = carry  # [rows, d] f32, [rows] f32, [rows] f32
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(scores - m_safe[:, None])
+    l = alpha * l + jnp.sum(p, axis=1)
+    o = alpha[:, None] * o + _dot(p.astype(v.dtype), v)
+    return o, m_new, l
+
+
+def _tree_attention_kernel(
+    len_ref,  # [] int32: this row's cache length
+    q_ref,  # [block_r, d]
+    k_ref,  # [s, d]: this row's and kv head's cache
+    v_ref,  # [s, d]
+    kn_ref,  # [n_pad, d]: tree keys
+    vn_ref,  # [n_pad, d]
+    mask_ref,  # [block_r, n_pad] int8: query row may attend to tree node
+    o_ref,  # [block_r, d] float32, unnormalised
+    m_ref,  # [block_r] float32
+    l_ref,  # [block_r] float32
+    *,
+    scale: float,
+    block_k: int,
+    block_n: int,
+    chunk_blocks: int,
+):
+    split = pl.program_id(3)
+    cache_len = k_ref.shape[0]
+    length = len_ref[...]
+    q = q_ref[...]
+    rows = q.shape[0]
+    init = (
+        jnp.zeros(o_ref.shape, jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+    def prefix_block(i, carry):
+        # The last block is shifted back to end at the cache's end (no out-of-bounds
+        # read when block_k does not divide max_len); positions before i*block_k
+        # were already seen and are masked.
+        if cache_len % block_k:
+            start = jnp.minimum(i * block_k, cache_len - block_k)
+        else:
+            start = pl.multiple_of(i * block_k, block_k)
+        idx = start + jnp.arange(block_k, dtype=jnp.int32)
+        allowed = ((idx >= i * block_k) & (idx < length))[None, :]
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        return _online_softmax_step(carry, _dot_t(q, k) * scale, allowed, v)
+
+    lo = split * chunk_blocks
+    hi = jnp.minimum(lo + chunk_blocks, pl.cdiv(length, block_k))
+    carry = lax.fori_loop(lo, jnp.maximum(lo, hi), prefix_block, init)
+
+    def tree_block(j, carry):
+        nodes = pl.ds(j * block_n, block_n)
+        allowed = mask_ref[:, nodes] != 0
+        scores = _dot_t(q, kn_ref[nodes, :]) * scale
+        return _online_softmax_step(carry, scores, allowed, vn_ref[nodes, :])
+
+    # The tree nodes under the ancestor mask, once per (row, kv head): split 0.
+    tree_blocks = jnp.where(split == 0, kn_ref.shape[0] // block_n, 0)
+    o, m, l = lax.fori_loop(0, tree_blocks, tree_block, carry)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "block_k",
+        "block_r",
+        "block_n",
+        "kv_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def tree_attention_pallas(
+    q,  # [batch, num_nodes, q_heads, head_dim]
+    k_cache,  # [batch, max_len, kv_heads, head_dim]
+    v_cache,  # [batch, max_len, kv_heads, head_dim]
+    cache_lengths,  # [batch] int
+    k_new,  # [batch, num_nodes, kv_heads, head_dim]
+    v_new,  # [batch, num_nodes, kv_heads, head_dim]
+    tree_mask,  # [batch, num_nodes, num_nodes] bool
+    *,
+    scale: float | None = None,
+    block_k: int = 64,
+    block_r: int | None = None,
+    block_n: int = 64,
+    kv_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
+    """Same function as `tree_attention_reference`; the knobs never change the math.
+
+    block_k: cached positions per inner step; block_r: query rows per program;
+    block_n: tree nodes per inner step; kv_splits: prefix chunks per (row, kv head)
+    (None: 1 in interpret mode, else enough programs to fill the GPU). Head dims that are
+    not a power of two >= 16, and caches shorter than 16, are zero-padded (a copy; real
+    models use 64/128).
+    """
+    check_block("block_k", block_k)
+    check_block("block_n", block_n)
+    b, n, hq, d = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    scale = float(d**-0.5 if scale is None else scale)
+
+    d_pad = max(MIN_BLOCK, next_pow2(d))
+    s_pad = max(MIN_BLOCK, s)
+    if d_pad != d or s_pad != s:
+        pad_cache = ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))
+        k_cache, v_cache = jnp.pad(k_cache, pad_cache), jnp.pad(v_cache, pad_cache)
+        pad_d = ((0, 0), (0, 0), (0, 0), (0, d_pad - d))
+        q, k_new, v_new = jnp.pad(q, pad_d), jnp.pad(k_new, pad_d), jnp.pad(v_new, pad_d)
+    bk = min(block_k, prev_pow2(s_pad))
+    bn = min(block_n, max(MIN_BLOCK, next_pow2(n)))
+    n_pad = -(-n // bn) * bn
+    rows = n * g
+    br = row_block(rows, block_r)
+    row_blocks = -(-rows // br)
+    r_pad = row_blocks * br
+    if kv_splits is None and interpret:
+        kv_splits = 1
+    splits, chunk = plan_splits(-(-s_pad // bk), b * hkv * row_blocks, kv_splits)
+
+    # Query row r = node * g + head-in-group, grouped by kv head.
+    qg = q.reshape(b, n, hkv, g, d_pad).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d_pad)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
+    mask_rows = jnp.repeat(tree_mask.astype(jnp.int8), g, axis=1)  # [b, rows, n]
+    mask_rows = jnp.pad(mask_rows, ((0, 0), (0, r_pad - rows), (0, n_pad - n)))
+    pad_n = ((0, 0), (0, n_pad - n), (0, 0), (0, 0))
+    k_new, v_new = jnp.pad(k_new, pad_n), jnp.pad(v_new, pad_n)
+    lengths = jnp.clip(cache_lengths.astype(jnp.int32), 0, s)
+
+    kernel = functools.partial(
+        _tree_attention_kernel, scale=scale, block_k=bk, block_n=bn, chunk_blocks=chunk
+    )
+    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, r, j: (i, 0, h, 0))
+    new_spec = pl.BlockSpec((None, n_pad, None, d_pad), lambda i, h, r, j: (i, 0, h, 0))
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, row_blocks, splits),
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, h, r, j: (i,)),
+            pl.BlockSpec((None, None, br, d_pad), lambda i, h, r, j: (i, h, r, 0)),
+            kv_spec,
+            kv_spec,
+            new_spec,
+            new_spec,
+            pl.BlockSpec((None, br, n_pad), lambda i, h, r, j: (i, r, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, br, d_pad), lambda i, h, r, j: (i, h, j, r, 0)),
+            pl.BlockSpec((None, None, None, br), lambda i, h, r, j: (i, h, j, r)),
+            pl.BlockSpec((None, None, None, br), lambda i, h, r, j: (i, h, j, r)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, splits, r_pad, d_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32),
+        ],
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="tree_attention",
+    )(lengths, qg, k_cache, v_cache, k_new, v_new, mask_rows)
+
+    out = combine_splits(o, m, l, axis=2)  # [b, hkv, r_pad, d_pad]
+    out = out[:, :, :rows, :d].reshape(b, hkv, n, g, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, n, hq, d).astype(q.dtype)
