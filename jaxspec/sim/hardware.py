@@ -58,7 +58,3 @@ class Cluster:
     def __post_init__(self):
         if self.num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {self.num_gpus}")
-
-    @property
-    def num_nodes(self) -> float:
-        return self.num_gpus / self.gpu.gpus_per_node

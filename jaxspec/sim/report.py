@@ -8,10 +8,9 @@ from jaxspec.sim.pipeline import Scenario, StepResult, SweepRow
 __all__ = ["best_row", "sweep_table", "explain_sweep", "describe_setup"]
 
 
-def best_row(rows: list[SweepRow], *, by: str = "step") -> SweepRow:
-    """The row with the best step (or generation) speedup."""
-    key = (lambda r: r.step_speedup) if by == "step" else (lambda r: r.generation_speedup)
-    return max(rows, key=key)
+def best_row(rows: list[SweepRow]) -> SweepRow:
+    """The row with the best step speedup (what an RL run pays for)."""
+    return max(rows, key=lambda r: r.step_speedup)
 
 
 def describe_setup(s: Scenario, plain: StepResult) -> list[str]:
