@@ -197,17 +197,17 @@ class TreeSpec:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Eagle3State:
+class HeadState:
     cache: Any  # KVCache of the head's single layer
     last_hidden: jax.Array  # [batch, H] pre-norm head output at the last observed position
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
-    """EAGLE-3 drafting: a chain of k argmax (or sampled) drafts, or a dynamic tree."""
+class _HeadDrafter:
+    """Drafting with a head conditioned on the policy's hidden states (EAGLE-3, MTP): a chain
+    of k argmax (or sampled) drafts, or a dynamic tree (`TreeSpec`)."""
 
-    head: Any  # jaxspec.models.Eagle3Head
+    head: Any
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
     tree: TreeSpec | None = dataclasses.field(default=None, metadata=dict(static=True))
 
@@ -241,7 +241,7 @@ class Eagle3Drafter:
 
     def init_state(self, policy, batch, max_len):
         hidden = self.head.config.hidden_size
-        return Eagle3State(
+        return HeadState(
             cache=self.head.init_cache(batch, max_len),
             last_hidden=jnp.zeros((batch, hidden), jnp.float32),
         )
@@ -255,7 +255,7 @@ class Eagle3Drafter:
         has_any = jnp.any(positions >= 0, axis=1)
         last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         last_hidden = jnp.where(has_any[:, None], last_hidden.astype(jnp.float32), state.last_hidden)
-        return Eagle3State(cache=cache, last_hidden=last_hidden)
+        return HeadState(cache=cache, last_hidden=last_hidden)
 
     def propose(self, state, policy, ctx: DraftContext):
         if self.tree is None:
@@ -275,13 +275,13 @@ class Eagle3Drafter:
                     embeds, hidden[:, None], (pos + i - 1)[:, None], cache, fuse=False
                 )
                 hidden = out[:, 0].astype(jnp.float32)
-            logits = self.head.target_logits(hidden)  # [batch, V] (-inf outside the draft vocab)
+            logits = self.head.target_logits(hidden, policy)  # [batch, V] (-inf outside the draft vocab)
             token, q = _choose(logits, ctx, jax.random.fold_in(ctx.key, i))
             tokens.append(token)
             probs.append(q)
         cache = dataclasses.replace(cache, lengths=start_lengths)
         draft_probs = jnp.stack(probs, axis=1) if ctx.sampled else None
-        return Tree.chain(jnp.stack(tokens, axis=1)), draft_probs, Eagle3State(cache, state.last_hidden)
+        return Tree.chain(jnp.stack(tokens, axis=1)), draft_probs, HeadState(cache, state.last_hidden)
 
     def _propose_tree(self, state, policy, ctx):
         spec = self.tree
@@ -291,7 +291,7 @@ class Eagle3Drafter:
         pos = ctx.lengths - 1
         b_idx = jnp.arange(batch)[:, None]
 
-        logp = jax.nn.log_softmax(self.head.target_logits(state.last_hidden), axis=-1)
+        logp = jax.nn.log_softmax(self.head.target_logits(state.last_hidden, policy), axis=-1)
         score, tok = jax.lax.top_k(logp, kk)  # [batch, kk]
         # The pool holds every expanded node; the frontier is the subset fed next.
         pool_tok, pool_score = [tok], [score]
@@ -312,7 +312,7 @@ class Eagle3Drafter:
                 mask=fed_anc, fuse=False,
             )
             front_out = out[:, -kk:].astype(jnp.float32)  # [batch, kk, H]
-            child_logp = jax.nn.log_softmax(self.head.target_logits(front_out), axis=-1)
+            child_logp = jax.nn.log_softmax(self.head.target_logits(front_out, policy), axis=-1)
             c_score, c_tok = jax.lax.top_k(child_logp, kk)  # [batch, kk, kk]
             c_score = front_score[..., None] + c_score
             c_parent_pool = jnp.broadcast_to(front_pool[..., None], c_tok.shape)
@@ -364,3 +364,15 @@ class Eagle3Drafter:
             max_depth=spec.depth,
         )
         return tree, None, state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter(_HeadDrafter):
+    """EAGLE-3: a `jaxspec.models.Eagle3Head` fusing three policy layers."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MTPDrafter(_HeadDrafter):
+    """DeepSeek-V3-style MTP: a `jaxspec.models.mtp.MTPHead` on the policy's last layer."""

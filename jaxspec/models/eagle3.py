@@ -200,7 +200,8 @@ class Eagle3Head:
     def logits(self, hidden):  # [..., H] -> float32 [..., draft_vocab]
         return self.module.logits(hidden)
 
-    def target_logits(self, hidden):  # [..., H] -> float32 [..., vocab]: -inf outside the draft vocab
+    def target_logits(self, hidden, policy=None):  # [..., H] -> float32 [..., vocab]: -inf outside the draft vocab
+        del policy  # the head has its own LM head over the draft vocabulary
         draft = self.logits(hidden)
         full = jnp.full(draft.shape[:-1] + (self.config.vocab_size,), -jnp.inf, jnp.float32)
         return full.at[..., self.draft_to_target()].set(draft)

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from jaxspec.decoding import SamplingConfig, process_logits
-from jaxspec.decoding.drafters import DraftContext, DraftModelDrafter, Eagle3Drafter, NGramDrafter, TreeSpec
+from jaxspec.decoding.drafters import DraftContext, DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
 from jaxspec.decoding.engine import generate
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.models.mtp import MTPHead
 
 PROMPTS = [[5, 9, 13, 5, 9, 13, 5], [77, 3], [40, 41, 42, 43, 40, 41]]
 MAX_NEW = 14
@@ -36,6 +37,7 @@ def drafters(policy):
         "eagle3_chain": Eagle3Drafter(head, k=3),
         "eagle3_tree": Eagle3Drafter(head, tree=TreeSpec(top_k=3, depth=3, budget=7)),
         "self_draft": DraftModelDrafter(policy, k=3),
+        "mtp_chain": MTPDrafter(MTPHead.init_for(policy, jax.random.key(3)), k=2),
     }
 
 
@@ -51,7 +53,7 @@ def stop_token(policy):
     return int(r.tokens[0, 5])
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model", "eagle3_chain", "eagle3_tree", "self_draft"])
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "eagle3_chain", "eagle3_tree", "self_draft", "mtp_chain"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_speculative_equals_plain(policy, drafters, stop_token, name, temperature):
     stops = (stop_token,)
