@@ -25,7 +25,7 @@ from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
 from jaxspec.decoding.engine import generate
 from jaxspec.models import load_hf
-from jaxspec.models.eagle3 import load_eagle3
+from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
 from jaxspec.models.mtp import MTPHead
 from jaxspec.rl.tasks import CharTokenizer, make_task
 
@@ -37,7 +37,7 @@ def _parse(argv=None):
     p.add_argument("--policy", required=True, help="local HF directory of the policy")
     p.add_argument("--eagle3", help="local EAGLE-3 head directory (vLLM/SGLang layout)")
     p.add_argument("--draft-model", help="local HF directory of a small draft model (same tokenizer)")
-    p.add_argument("--drafters", default="eagle3,ngram", help="comma list of eagle3, eagle3_tree, ngram, draft_model, mtp_untrained")
+    p.add_argument("--drafters", default="eagle3,ngram", help="comma list of eagle3, eagle3_untrained (a fresh head over the same draft vocabulary: the control), eagle3_tree, ngram, draft_model, mtp_untrained")
     p.add_argument("--ks", default="1,2,3,4,5,6,7", help="draft lengths to sweep")
     p.add_argument("--tree", default="4,3,8", help="top_k,depth,budget for eagle3_tree")
     p.add_argument("--task", default="arithmetic")
@@ -66,14 +66,14 @@ def main(argv=None) -> int:
     args = _parse(argv)
     ks = [int(k) for k in args.ks.split(",") if k]
     names = [d for d in args.drafters.split(",") if d]
-    valid = {"eagle3", "eagle3_tree", "ngram", "draft_model", "mtp_untrained"}
+    valid = {"eagle3", "eagle3_untrained", "eagle3_tree", "ngram", "draft_model", "mtp_untrained"}
     unknown = sorted(set(names) - valid)
     if unknown:
         raise SystemExit(f"--drafters {unknown} unknown; valid: {sorted(valid)}")
     if any(k < 1 for k in ks):
         raise SystemExit(f"--ks must be >= 1; got {ks}")
-    if ({"eagle3", "eagle3_tree"} & set(names)) and not args.eagle3:
-        raise SystemExit("--drafters eagle3/eagle3_tree need --eagle3 DIR")
+    if ({"eagle3", "eagle3_tree", "eagle3_untrained"} & set(names)) and not args.eagle3:
+        raise SystemExit("--drafters eagle3/eagle3_tree/eagle3_untrained need --eagle3 DIR")
     if "draft_model" in names and not args.draft_model:
         raise SystemExit("--drafters draft_model needs --draft-model DIR")
 
@@ -95,6 +95,10 @@ def main(argv=None) -> int:
         for k in ks if name != "eagle3_tree" else [None]:
             if name == "eagle3":
                 drafter = Eagle3Drafter(head, k=k)
+            elif name == "eagle3_untrained":
+                fresh = Eagle3Head.init_for(policy, head.config.draft_vocab_size, jax.random.key(7),
+                                            capture_layers=head.capture_layers)
+                drafter = Eagle3Drafter(fresh.with_vocab(np.asarray(head.draft_to_target())), k=k)
             elif name == "eagle3_tree":
                 top_k, depth, budget = (int(x) for x in args.tree.split(","))
                 drafter = Eagle3Drafter(head, tree=TreeSpec(top_k=top_k, depth=depth, budget=budget))
