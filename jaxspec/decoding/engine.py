@@ -25,6 +25,7 @@ import numpy as np
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.tree import Tree
 from jaxspec.decoding.verify import verify
+from jaxspec import parallel
 from jaxspec.decoding.drafters import DraftContext
 from jaxspec.models import KVCache, Policy, compact
 
@@ -219,10 +220,17 @@ def _generate_jit(
     capture = () if drafter is None else drafter.capture_layers
 
     buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
+    # Rows over the batch mesh axes, KV heads over tensor (no-ops outside jax.set_mesh).
+    buffer = parallel.constrain(buffer, ("batch", "length"))
     # Prefill every prompt token but the last: the last is the first root.
     pre_positions = jnp.arange(width, dtype=jnp.int32)[None, :]
     pre_positions = jnp.where(pre_positions < prompt_lengths[:, None] - 1, pre_positions, -1)
     cache = policy.init_cache(batch, max_len)
+    cache = KVCache(
+        k=parallel.constrain(cache.k, parallel.KV_CACHE_AXES),
+        v=parallel.constrain(cache.v, parallel.KV_CACHE_AXES),
+        lengths=parallel.constrain(cache.lengths, ("batch",)),
+    )
     _, captured, cache = policy.forward(
         prompt_tokens, pre_positions, cache, capture=capture
     )

@@ -372,7 +372,11 @@ def load_hf(
         parts = by_path[param_path(keypath)]
         value = np.stack(parts) if len(parts) > 1 or leaf.ndim > parts[0].ndim else parts[0]
         assert value.shape == leaf.shape, (keypath, value.shape, leaf.shape)
-        values.append(jax.device_put(value, target))
+        if target is not None and not target.is_fully_addressable:
+            # Multi-host: build only this process's shards (device_put would all-gather to compare).
+            values.append(jax.make_array_from_callback(value.shape, target, lambda i, v=value: v[i]))
+        else:
+            values.append(jax.device_put(value, target))
     return abstract.replace(params=jax.tree_util.tree_unflatten(treedef, values))
 
 
