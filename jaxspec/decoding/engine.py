@@ -263,6 +263,8 @@ def _generate_jit(
     )
     budget_end = prompt_lengths + max_new_tokens  # [batch] exclusive end of generation
 
+    draft_key = jax.random.split(key)[1]  # drafts never share the verifier's noise
+
     def cond(s: _LoopState):
         return jnp.any(~s.done)
 
@@ -279,7 +281,7 @@ def _generate_jit(
             ctx = DraftContext(
                 buffer=s.buffer,
                 lengths=s.lengths,
-                key=jax.random.fold_in(jax.random.fold_in(key, 7), s.stats.target_forwards),
+                key=jax.random.fold_in(draft_key, s.stats.target_forwards),
                 sampling=sampling,
                 sampled=method == "rejection",
             )
