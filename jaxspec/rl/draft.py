@@ -127,3 +127,4 @@ def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, tar
     params = optax.apply_updates(head.params, updates)
     metrics["draft_grad_norm"] = optax.global_norm(grads)
     return dataclasses.replace(head, params=params), opt_state, metrics
+
