@@ -49,6 +49,8 @@ def _parse(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_rollout.json", help="where to write the results")
+    p.add_argument("--calibration-out", help="write the first drafter's k=3 acceptance as a "
+                   "calibration file for scripts/simulate.py --calibration")
     return p.parse_args(argv)
 
 
@@ -132,6 +134,15 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.json}")
+    if args.calibration_out:
+        pick = [r for r in rows if r["drafter"] == names[0] and r["k"] == 3] or rows[:1]
+        if pick:
+            r = pick[0]
+            calib = dict(k=r["k"], acceptance_length=r["acceptance_length"],
+                         per_position_acceptance=r["per_position_acceptance"], source=args.json)
+            with open(args.calibration_out, "w") as f:
+                json.dump(calib, f, indent=2)
+            print(f"wrote {args.calibration_out} ({names[0]} at k={r['k']})")
     return 0
 
 
