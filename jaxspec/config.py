@@ -32,6 +32,7 @@ __all__ = [
     "TaskSpec",
     "TreeSpec",
     "WarmupSpec",
+    "draft_headroom",
     "from_dict",
     "load_config",
     "save",
@@ -344,9 +345,11 @@ class DraftSpec(_Section):
     draft_vocab_size: Optional[int] = _field(None, **_ge(1))  # null: the policy's vocabulary
     hf_path: Optional[str] = None  # pretrained head (eagle3/mtp) or draft model directory
     layers: Optional[tuple[int, int, int]] = None  # EAGLE-3 captured layers; null: default
-    online: bool = True  # train the draft inside each RL step (ignored for none/ngram)
+    online: bool = True  # train the EAGLE-3 head inside each RL step (other kinds: ignored)
     ttt_steps: int = _field(3, **_ge(1))  # training-time-test unroll steps
     ttt_decay: float = _field(0.8, **_in_unit(True, False))  # loss weight decay^step
+    collapse_threshold: float = _field(1.05, **_ge(1))  # acceptance length under it is a collapse
+    collapse_patience: int = _field(3, **_ge(1))  # alarm after this many collapsed steps in a row
     model: Optional[ModelSpec] = None  # the small model for kind draft_model (or hf_path)
     ngram: NgramSpec = _field(factory=NgramSpec)
 
@@ -358,6 +361,13 @@ class DraftSpec(_Section):
         if self.kind == "draft_model" and self.model is None and self.hf_path is None:
             raise ConfigError("model", None, "kind 'draft_model' needs a model",
                               "a model spec (draft.model.*) or draft.hf_path")
+
+
+def draft_headroom(draft: DraftSpec) -> int:
+    """Cache slots a verify step needs beyond the committed tokens: the fed draft nodes + 1."""
+    if draft.kind == "none":
+        return 1
+    return (draft.tree.budget if draft.tree is not None else draft.k) + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,6 +384,7 @@ class RolloutSpec(_Section):
     prompts_per_step: int = _field(8, **_ge(1))
     group_size: int = _field(8, **_ge(2))  # G samples per prompt
     max_new_tokens: int = _field(8, **_ge(1))
+    max_prompt_len: int = _field(16, **_ge(1))  # prompt tokens (BOS included); longer: an error
     method: Literal["replay", "rejection", "greedy"] = "replay"  # verification rule
 
 
@@ -391,6 +402,7 @@ class GRPOConfig(_Section):
     loss_agg: Literal["token", "sequence"] = "token"
     tis: Literal["none", "token", "sequence"] = "none"  # truncated importance weights
     tis_cap: float = _field(2.0, **_gt(0))
+    minibatches: int = _field(1, **_ge(1))  # optimizer updates per step, on disjoint minibatches
 
     def _validate(self):
         from jaxspec.rl import grpo  # the registries live beside the functions they name
@@ -421,9 +433,11 @@ class OptimSpec(_Section):
 class WarmupSpec(_Section):
     """Supervised warm-up that turns the random tiny model into the 'base' policy."""
 
-    steps: int = _field(300, **_ge(0))
+    steps: int = _field(600, **_ge(0))
     lr: float = _field(3e-3, **_gt(0))
     batch_size: int = _field(64, **_ge(1))
+    draft_rollouts: int = _field(512, **_ge(1))  # policy rollouts for the in-domain draft init
+    draft_steps: int = _field(100, **_ge(0))  # offline draft steps (fresh EAGLE-3 heads only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,6 +597,23 @@ class Config(_Section):
             raise ConfigError("rollout.method", "rejection",
                               "the rejection rule verifies sampled chains, not trees",
                               "'replay' or 'greedy', or draft.tree=null")
+        if m.hf_path is None:  # the tiny model's cache: prompt + rollout + draft headroom
+            need = self.rollout.max_prompt_len + self.rollout.max_new_tokens + draft_headroom(d)
+            if need > m.max_position_embeddings:
+                raise ConfigError(
+                    "rollout.max_prompt_len", self.rollout.max_prompt_len,
+                    f"a prompt of {self.rollout.max_prompt_len} tokens + max_new_tokens "
+                    f"{self.rollout.max_new_tokens} + draft headroom {draft_headroom(d)} = {need} "
+                    f"does not fit the cache (model.max_position_embeddings = "
+                    f"{m.max_position_embeddings})",
+                    f"<= {m.max_position_embeddings - self.rollout.max_new_tokens - draft_headroom(d)}"
+                    f", or a larger model.max_position_embeddings")
+        batch = self.rollout.prompts_per_step * self.rollout.group_size
+        if batch % self.grpo.minibatches:
+            raise ConfigError("grpo.minibatches", self.grpo.minibatches,
+                              f"does not divide the {batch} rollouts of a step "
+                              f"(rollout.prompts_per_step x rollout.group_size)",
+                              f"a divisor of {batch}")
         if self.async_.enabled and self.grpo.tis == "none":
             raise ConfigError("grpo.tis", "none",
                               "async rollouts are off-policy by up to max_policy_lag steps",

@@ -125,6 +125,6 @@ def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, tar
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
     updates, opt_state = optimizer.update(grads, opt_state, head.params)
     params = optax.apply_updates(head.params, updates)
-    metrics["draft_grad_norm"] = optax.global_norm(grads)
+    metrics["draft_grad_norm"] = optax.tree.norm(grads)
     return dataclasses.replace(head, params=params), opt_state, metrics
 

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Plots of a GRPO run: python scripts/report.py RUN_DIR
+
+Reads RUN_DIR/metrics.jsonl (written by scripts/train_grpo.py) and writes into RUN_DIR:
+  reward.png       mean reward per step (and its 5-step running mean)
+  acceptance.png   acceptance length per step (tokens per policy forward) and the
+                   per-position acceptance rates of the drafts
+  stages.png       the step time split into its stages (data, setup, generation, reward,
+                   logprob, training), stacked per step
+  generation.png   speculative vs plain generation time at the steps where both ran
+Prints the run's headline numbers (the ones docs/BENCHMARKS.md quotes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+STAGES = ("data", "setup", "generation", "reward", "logprob", "training", "other")
+
+
+def _series(rows, key):
+    xs = [r["step"] for r in rows if r.get(key) is not None]
+    return xs, [r[key] for r in rows if r.get(key) is not None]
+
+
+def plot_run(run_dir: str) -> list[str]:
+    """Write the four PNGs into run_dir; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from jaxspec.rl.trainer import read_metrics
+
+    rows = read_metrics(run_dir)
+    paths = []
+
+    def save(fig, name):
+        path = os.path.join(run_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs, ys = _series(rows, "reward")
+    ax.plot(xs, ys, marker=".", lw=1, label="reward (batch mean)")
+    if len(ys) >= 5:
+        smooth = np.convolve(ys, np.ones(5) / 5, mode="valid")
+        ax.plot(xs[4:], smooth, lw=2, label="5-step running mean")
+    ax.set(xlabel="step", ylabel="reward", title="GRPO reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "reward.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs, ys = _series(rows, "acceptance_length")
+    ax.plot(xs, ys, marker=".", lw=1.5, color="k", label="acceptance length")
+    ax.axhline(1.0, ls=":", color="gray")
+    ax.set(xlabel="step", ylabel="tokens per policy forward", title="Speculation")
+    positions = sorted({k for r in rows for k in r if k.startswith("spec/acceptance_at_")},
+                       key=lambda k: int(k.rsplit("_", 1)[1]))
+    if positions:
+        ax2 = ax.twinx()
+        for key in positions:
+            px, py = _series(rows, key)
+            ax2.plot(px, py, lw=1, alpha=0.7, label=f"accepted at depth {key.rsplit('_', 1)[1]}")
+        ax2.set_ylim(0, 1)
+        ax2.set_ylabel("acceptance rate")
+        ax2.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    save(fig, "acceptance.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in rows]
+    bottom = np.zeros(len(rows))
+    for stage in STAGES:
+        values = np.array([r.get(f"time/{stage}") or 0.0 for r in rows])
+        if values.any():
+            ax.bar(steps, values, bottom=bottom, label=stage, width=0.9)
+            bottom += values
+    if len(rows) > 1:  # the first step compiles; keep the scale for the others
+        ax.set_ylim(0, 1.2 * max(bottom[1:].max(), 1e-3))
+    ax.set(xlabel="step", ylabel="seconds", title="Step time by stage (step 1 compiles)")
+    ax.legend(fontsize=8, ncol=4)
+    save(fig, "stages.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    compared = [r for r in rows if r.get("generation_plain_time_s") is not None]
+    if compared:
+        xs = np.array([r["step"] for r in compared], float)
+        ax.bar(xs - 0.2, [r["generation_time_s"] for r in compared], width=0.4,
+               label="speculative")
+        ax.bar(xs + 0.2, [r["generation_plain_time_s"] for r in compared], width=0.4,
+               label="plain (same key, same step)")
+        ax.set_title("Generation time: speculative vs plain")
+    else:
+        xs, ys = _series(rows, "generation_time_s")
+        ax.plot(xs, ys, marker=".", label="generation")
+        ax.set_title("Generation time (no plain comparison: run.compare_plain = 0)")
+    ax.set(xlabel="step", ylabel="seconds")
+    ax.legend()
+    save(fig, "generation.png")
+    return paths
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="the run.dir of a scripts/train_grpo.py run")
+    args = p.parse_args(argv)
+    from jaxspec.rl.trainer import read_metrics, run_summary
+
+    try:
+        rows = read_metrics(args.run_dir)
+        summary = run_summary(rows)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in plot_run(args.run_dir):
+        print(f"wrote {path}")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
