@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""Offline (in-domain) EAGLE-3 training on the policy's own rollouts, then export.
+
+    python scripts/train_draft.py configs/tiny.yaml run.dir=runs/draft warmup.draft_steps=300
+    python scripts/train_draft.py configs/qwen3_8b_eagle3.yaml run.dir=runs/draft
+
+The policy is the config's (`model.hf_path`, or the tiny model after its supervised
+warm-up). It generates `warmup.draft_rollouts` rollouts on task prompts that the RL run
+never uses, the draft vocabulary is chosen from their token counts, and the head trains
+`warmup.draft_steps` steps with the training-time-test loss — the same update the RL step
+runs online, with the draft's own optimizer (`draft_optim`). Writes <run.dir>/policy (HF)
+and <run.dir>/eagle3 (vLLM/SGLang layout); point `draft.hf_path` of a GRPO run at the
+latter, or benchmark both with scripts/bench_rollout.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.dir=runs/draft")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+
+    from jaxspec.config import ConfigError, load_config
+    from jaxspec.rl.trainer import GRPOTrainer
+
+    try:
+        cfg = load_config(args.config, list(args.overrides))
+        if cfg.draft.kind != "eagle3" or cfg.draft.hf_path is not None:
+            raise ConfigError("draft.kind", cfg.draft.kind,
+                              "train_draft.py trains a new EAGLE-3 head (draft.kind=eagle3, draft.hf_path=null)",
+                              "eagle3")
+        trainer = GRPOTrainer(cfg, log=print)  # warm-up (tiny model) and the offline head training
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    trainer.export()
+    print(f"draft trained in {time.perf_counter() - start:.1f}s -> {cfg.run.dir}/eagle3 "
+          f"(policy in {cfg.run.dir}/policy); next: python scripts/bench_rollout.py "
+          f"--policy {cfg.run.dir}/policy --eagle3 {cfg.run.dir}/eagle3")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

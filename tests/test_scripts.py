@@ -1,0 +1,30 @@
+"""Script entry points refuse bad input with one clear message before compiling."""
+
+import pathlib
+import runpy
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _main(script):
+    return runpy.run_path(str(ROOT / "scripts" / script), run_name="not_main")["main"]
+
+
+def test_train_draft_needs_a_new_eagle3_head(capsys):
+    code = _main("train_draft.py")([str(ROOT / "configs" / "tiny.yaml"), "draft.kind=ngram"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "config key 'draft.kind' = 'ngram'" in err and "valid: eagle3" in err
+
+
+def test_bench_rollout_rejects_unknown_drafters(tmp_path):
+    main = _main("bench_rollout.py")
+    with pytest.raises(SystemExit, match=r"--drafters \['magic'\] unknown"):
+        main(["--policy", str(tmp_path), "--drafters", "magic"])
+    with pytest.raises(SystemExit, match="need --eagle3 DIR"):
+        main(["--policy", str(tmp_path), "--drafters", "eagle3"])
+    with pytest.raises(SystemExit, match=r"--ks must be >= 1"):
+        main(["--policy", str(tmp_path), "--ks", "0,3"])
