@@ -342,8 +342,9 @@ def _generate_jit(
             draft_forwards=st.draft_forwards + draft_forwards + drafter_obs,
             row_steps=st.row_steps + active.astype(jnp.int32),
             tokens_generated=st.tokens_generated + n_emit,
+            # Drafts count as accepted only when emitted (not cut by a stop token or the budget).
             accepted_at=st.accepted_at
-            + jnp.sum((depth_ids < num_accepted[:, None]) & active[:, None], axis=0),
+            + jnp.sum((depth_ids < jnp.minimum(num_accepted, n_emit - 1)[:, None]) & active[:, None], axis=0),
             proposed_at=st.proposed_at + jnp.sum(active) * jnp.ones((max_depth,), jnp.int32),
             wall_time_s=st.wall_time_s,
         )
