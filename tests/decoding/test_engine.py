@@ -111,16 +111,20 @@ def test_acceptance_stats_closed_form(policy, drafters):
 def test_bf16_mismatch_rate_is_small(policy, drafters):
     """In bf16 the verify forward (k+1 tokens) and the decode forward (1 token) round
     differently, so replay can pick a different token where two candidates are within
-    rounding; after the first difference the rows diverge. We measure the share of
-    generated tokens before the first divergence (docs/BENCHMARKS.md reports it)."""
+    rounding; after the first difference the rows diverge. On CPU there is none (asserted);
+    docs/BENCHMARKS.md reports the measured rates."""
     pol16 = policy.astype("bfloat16")
     head = Eagle3Head.init_for(pol16, 96, jax.random.key(1))
     cfg = SamplingConfig(temperature=1.0)
     plain = generate(pol16, PROMPTS, sampling=cfg, max_new_tokens=MAX_NEW, key=KEY)
     spec = generate(pol16, PROMPTS, drafter=Eagle3Drafter(head, k=3), sampling=cfg, max_new_tokens=MAX_NEW, key=KEY)
     same = np.asarray(spec.tokens) == np.asarray(plain.tokens)
-    agree_prefix = np.argmin(np.concatenate([same, np.zeros((3, 1), bool)], 1), axis=1)
-    assert agree_prefix.mean() / MAX_NEW >= 0.5
+    if jax.default_backend() == "cpu":
+        # XLA's CPU dot reduces each row the same way whatever the row count: no mismatch.
+        assert same.all()
+    else:  # GPU libraries pick tiles by shape: measure, and bound loosely
+        agree_prefix = np.argmin(np.concatenate([same, np.zeros((3, 1), bool)], 1), axis=1)
+        assert agree_prefix.mean() / MAX_NEW >= 0.5
 
 
 def _ngram_numpy(history, k, min_n, max_n):
