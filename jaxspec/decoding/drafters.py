@@ -238,6 +238,11 @@ class _HeadDrafter:
 
     def check_compatible(self, policy) -> None:
         self.head.check_compatible(policy)
+        vocab = getattr(self.head.config, "draft_vocab_size", self.head.config.vocab_size)
+        if self.tree is not None and self.tree.top_k > vocab:
+            raise ValueError(
+                f"TreeSpec.top_k {self.tree.top_k} exceeds the head's draft vocabulary ({vocab} tokens)"
+            )
 
     def init_state(self, policy, batch, max_len):
         hidden = self.head.config.hidden_size

@@ -168,5 +168,8 @@ def test_bad_inputs_fail_before_compiling(policy):
         generate(policy, [[1, 200]], max_new_tokens=4, key=KEY)
     with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
         generate(policy, [[1], []], max_new_tokens=4, key=KEY)
+    small_head = Eagle3Head.init_for(policy, 2, jax.random.key(1))
+    with pytest.raises(ValueError, match=r"TreeSpec.top_k 3 exceeds the head's draft vocabulary \(2 tokens\)"):
+        generate(policy, PROMPTS, drafter=Eagle3Drafter(small_head, tree=TreeSpec(3, 2, 4)), max_new_tokens=4, key=KEY)
     with pytest.raises(ValueError, match="TreeSpec.budget 40 exceeds"):
         TreeSpec(top_k=2, depth=2, budget=40)
