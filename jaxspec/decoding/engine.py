@@ -152,8 +152,7 @@ def generate(
                 f"(use method='replay', which is lossless for any draft)"
             )
     num_nodes = 0 if drafter is None else drafter.num_nodes
-    max_depth = 0 if drafter is None else drafter.max_depth
-    # Headroom: a verify step feeds num_nodes + 1 tokens and may emit max_depth + 1.
+    # Headroom: a verify step writes num_nodes + 1 cache slots past the root (k+1 for chains).
     max_len = width + max_new_tokens + num_nodes + 1
     limit = policy.config.max_position_embeddings
     if max_len > limit:

@@ -113,6 +113,18 @@ class KVCache:
         )
 
 
+def new_token_mask(
+    positions,  # [B, T] int32; < 0 marks padding
+    mask=None,  # [B, T, T] bool among the new tokens, or None for causal
+):  # -> (valid [B, T] bool, mask [B, T, T] bool)
+    """Which new tokens are real, and which new tokens each may attend to (never padding)."""
+    b, t = positions.shape
+    valid = positions >= 0
+    if mask is None:
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    return valid, mask.astype(bool) & valid[:, None, :]
+
+
 def compact(
     cache: KVCache,
     path,  # [B, P] int32: fed-block indices to keep, in order; -1 = padding

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.models.cache import KVCache
+from jaxspec.models.cache import KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig, default_eagle3_layers
 from jaxspec.models.layers import MLP, Attention, RMSNorm, apply_rope, logical_param
 
@@ -183,11 +183,7 @@ class Eagle3Head:
         hidden = hidden.astype(dtype)
         if fuse:
             hidden = m.fuse(hidden)
-        b, t = positions.shape
-        valid = positions >= 0
-        if mask is None:
-            mask = jnp.tril(jnp.ones((t, t), bool))[None]
-        mask = mask & valid[:, None, :]
+        valid, mask = new_token_mask(positions, mask)
         s = cache.max_len
         attn, k, v = m.self_attn(
             m.layer_input(embeds.astype(dtype), hidden), jnp.maximum(positions, 0),

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.models.cache import KVCache
+from jaxspec.models.cache import KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.layers import DecoderLayer, RMSNorm, logical_param
 
@@ -102,11 +102,7 @@ class MTPHead:
         dtype = self.config.layer.param_dtype
         x = jnp.concatenate([m.enorm(embeds.astype(dtype)), m.hnorm(hidden.astype(dtype))], axis=-1)
         x = x @ m.eh_proj[...]
-        b, t = positions.shape
-        valid = positions >= 0
-        if mask is None:
-            mask = jnp.tril(jnp.ones((t, t), bool))[None]
-        mask = mask & valid[:, None, :]
+        valid, mask = new_token_mask(positions, mask)
         out, k, v = m.block(
             x, jnp.maximum(positions, 0), cache.k[0], cache.v[0], jnp.minimum(cache.lengths, cache.max_len), mask
         )

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.models.cache import CacheOverflowError, KVCache, compact
+from jaxspec.models.cache import CacheOverflowError, KVCache, compact, new_token_mask
 from jaxspec.models.config import ModelConfig, default_eagle3_layers
 from jaxspec.models.layers import (
     INIT_STD,
@@ -122,7 +122,6 @@ def _forward(policy, tokens, positions, cache, mask, capture):
     model = nnx.merge(policy.graphdef, policy.params)
     cfg = policy.config
     b, t = tokens.shape
-    valid = positions >= 0  # [B, T]
     if cache is None:
         kv_shape = (cfg.num_layers, b, 0, cfg.num_kv_heads, cfg.head_dim)
         k_cache = v_cache = jnp.zeros(kv_shape, cfg.param_dtype)
@@ -130,9 +129,7 @@ def _forward(policy, tokens, positions, cache, mask, capture):
     else:
         k_cache, v_cache, lengths = cache.k, cache.v, cache.lengths
     s = k_cache.shape[2]
-    if mask is None:
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    mask = mask.astype(bool) & valid[:, None, :]
+    valid, mask = new_token_mask(positions, mask)
     logits, captured, k_new, v_new = model(
         tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture
     )
