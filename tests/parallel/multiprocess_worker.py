@@ -3,7 +3,7 @@
 As a script: `python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR`, with
 4 CPU devices per process. It joins the run over 127.0.0.1, loads the policy from the HF
 directory WORKDIR/hf straight into its shardings on a global data=2, fsdp=2, tensor=2 mesh,
-feeds only its own rows, runs one sharded forward + next-token loss + adamw step, saves
+feeds only its own rows, runs two sharded train steps (forward + next-token loss + adamw), saves
 params and optimizer state with orbax, restores them onto a fsdp=4, tensor=2 mesh, and
 process 0 writes what both saw (gathered to the host) to WORKDIR/multiprocess.npz.
 """
@@ -23,7 +23,7 @@ def make_tokens():  # -> [BATCH, LENGTH] int32: the global batch, the same in ev
 
 
 def sharded_train_step(policy, mesh, local_tokens):
-    """Shard `policy` on `mesh`, then one jitted forward + next-token loss + adamw update.
+    """Shard `policy` on `mesh`, then two jitted train steps (forward + next-token loss + adamw).
 
     local_tokens: [rows, LENGTH], this process's rows of the global batch.
     Returns (params, opt_state, loss, logits [BATCH, LENGTH, VOCAB]), all global arrays.
@@ -57,7 +57,8 @@ def sharded_train_step(policy, mesh, local_tokens):
         return params, opt_state, loss, logits
 
     with jax.set_mesh(mesh):
-        return step(policy.params, opt_state, tokens)
+        params, opt_state, _, _ = step(policy.params, opt_state, tokens)
+        return step(params, opt_state, tokens)  # the second step's loss and logits
 
 
 def main(process_id: int, num_processes: int, port: int, workdir: str):
