@@ -44,13 +44,22 @@ def _check_k(k: int, name: str = "k") -> None:
         raise ValueError(f"draft length {name} must be an int >= 1; got {k!r}")
 
 
-def _choose(logits, ctx: DraftContext, key):  # logits [batch, vocab] -> (token[batch], q[batch, vocab] | None)
-    """Argmax draft, or a sample from the processed draft distribution q (returned)."""
+def _target_ids(ids, index):  # candidate indices -> target token ids (ids None: the identity)
+    return (index if ids is None else ids[index]).astype(jnp.int32)
+
+
+def _choose(logits, ctx: DraftContext, key, ids=None, vocab=None):
+    """Argmax draft, or a sample from the processed draft distribution q (returned over the
+    target vocabulary). logits [batch, C] over candidates whose target ids are `ids` [C]
+    (None: the candidates are the target vocabulary)."""
     if not ctx.sampled:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return _target_ids(ids, jnp.argmax(logits, axis=-1)), None
     logq = process_logits(logits, ctx.sampling)
-    token = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
-    return token, jnp.exp(logq)
+    token = _target_ids(ids, jax.random.categorical(key, logq, axis=-1))
+    q = jnp.exp(logq)
+    if ids is not None:  # q over the target vocabulary: zero outside the draft vocabulary
+        q = jnp.zeros(q.shape[:-1] + (vocab,), q.dtype).at[..., ids].set(q)
+    return token, q
 
 
 # --------------------------------------------------------------------------- n-gram
@@ -280,8 +289,8 @@ class _HeadDrafter:
                     embeds, hidden[:, None], (pos + i - 1)[:, None], cache, fuse=False
                 )
                 hidden = out[:, 0].astype(jnp.float32)
-            logits = self.head.target_logits(hidden, policy)  # [batch, V] (-inf outside the draft vocab)
-            token, q = _choose(logits, ctx, jax.random.fold_in(ctx.key, i))
+            logits, ids = self.head.draft_logits(hidden, policy)  # [batch, C], [C] | None
+            token, q = _choose(logits, ctx, jax.random.fold_in(ctx.key, i), ids, policy.config.vocab_size)
             tokens.append(token)
             probs.append(q)
         cache = dataclasses.replace(cache, lengths=start_lengths)
@@ -296,8 +305,9 @@ class _HeadDrafter:
         pos = ctx.lengths - 1
         b_idx = jnp.arange(batch)[:, None]
 
-        logp = jax.nn.log_softmax(self.head.target_logits(state.last_hidden, policy), axis=-1)
-        score, tok = jax.lax.top_k(logp, kk)  # [batch, kk]
+        logits, ids = self.head.draft_logits(state.last_hidden, policy)  # [batch, C], [C] | None
+        score, idx = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), kk)  # [batch, kk]
+        tok = _target_ids(ids, idx)
         # The pool holds every expanded node; the frontier is the subset fed next.
         pool_tok, pool_score = [tok], [score]
         pool_parent = [jnp.full((batch, kk), -1, jnp.int32)]
@@ -317,8 +327,9 @@ class _HeadDrafter:
                 mask=fed_anc, fuse=False,
             )
             front_out = out[:, -kk:].astype(jnp.float32)  # [batch, kk, H]
-            child_logp = jax.nn.log_softmax(self.head.target_logits(front_out, policy), axis=-1)
-            c_score, c_tok = jax.lax.top_k(child_logp, kk)  # [batch, kk, kk]
+            child_logits, _ = self.head.draft_logits(front_out, policy)
+            c_score, c_idx = jax.lax.top_k(jax.nn.log_softmax(child_logits, axis=-1), kk)  # [batch, kk, kk]
+            c_tok = _target_ids(ids, c_idx)
             c_score = front_score[..., None] + c_score
             c_parent_pool = jnp.broadcast_to(front_pool[..., None], c_tok.shape)
             depth = pool_depth[-1][:, :1] + 1

@@ -196,11 +196,11 @@ class Eagle3Head:
     def logits(self, hidden):  # [..., H] -> float32 [..., draft_vocab]
         return self.module.logits(hidden)
 
-    def target_logits(self, hidden, policy=None):  # [..., H] -> float32 [..., vocab]: -inf outside the draft vocab
+    def draft_logits(self, hidden, policy=None):  # [..., H] -> (float32 [..., draft_vocab], ids [draft_vocab])
+        """Logits over the draft vocabulary and the target id of each entry (drafting picks
+        among these and maps the winners: no full-vocabulary array)."""
         del policy  # the head has its own LM head over the draft vocabulary
-        draft = self.logits(hidden)
-        full = jnp.full(draft.shape[:-1] + (self.config.vocab_size,), -jnp.inf, jnp.float32)
-        return full.at[..., self.draft_to_target()].set(draft)
+        return self.logits(hidden), self.draft_to_target()
 
 
 def choose_draft_vocab(token_counts, draft_vocab_size: int) -> np.ndarray:  # [V] -> [draft_vocab] ids

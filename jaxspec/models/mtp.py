@@ -108,9 +108,10 @@ class MTPHead:
         )
         return out, cache.append(0, k, v, valid).advance(valid)
 
-    def target_logits(self, hidden, policy):  # [..., H] -> float32 [..., V] through the shared LM head
+    def draft_logits(self, hidden, policy):  # [..., H] -> (float32 [..., V], None: ids are the target's)
+        """Logits through the policy's shared LM head, over the full target vocabulary."""
         normed = self.module.norm(hidden.astype(self.config.layer.param_dtype))
         squeeze = normed.ndim == 2
         normed = normed[:, None] if squeeze else normed
         logits = policy.module.logits(normed)
-        return logits[:, 0] if squeeze else logits
+        return (logits[:, 0] if squeeze else logits), None

@@ -173,3 +173,24 @@ def test_bad_inputs_fail_before_compiling(policy):
         generate(policy, PROMPTS, drafter=Eagle3Drafter(small_head, tree=TreeSpec(3, 2, 4)), max_new_tokens=4, key=KEY)
     with pytest.raises(ValueError, match="TreeSpec.budget 40 exceeds"):
         TreeSpec(top_k=2, depth=2, budget=40)
+
+
+def test_draft_choice_over_a_reduced_vocabulary_matches_the_full_vocabulary():
+    """Drafting over the draft vocabulary and mapping winners through d2t equals drafting
+    over a full-vocabulary array with -inf outside it (the argmax, and the q returned)."""
+    from jaxspec.decoding.drafters import _choose
+
+    ids = jnp.array([3, 7, 8, 20, 31], jnp.int32)
+    logits = jax.random.normal(jax.random.key(5), (4, 5)) * 2
+    full = jnp.full((4, 40), -jnp.inf).at[:, ids].set(logits)
+    for sampled in (False, True):
+        ctx = DraftContext(jnp.zeros((4, 8), jnp.int32), jnp.ones((4,), jnp.int32), jax.random.key(0),
+                           SamplingConfig(temperature=0.7, top_k=3), sampled)
+        tok, q = _choose(logits, ctx, jax.random.key(1), ids, 40)
+        tok_full, q_full = _choose(full, ctx, jax.random.key(1))
+        assert set(np.asarray(tok).tolist()) <= set(np.asarray(ids).tolist())
+        if not sampled:
+            np.testing.assert_array_equal(tok, tok_full)
+        else:
+            np.testing.assert_allclose(q, q_full, atol=1e-6)
+            assert np.all(np.take_along_axis(np.asarray(q), np.asarray(tok)[:, None], 1) > 0)
