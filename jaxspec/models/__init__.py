@@ -6,7 +6,7 @@ from jaxspec.models.config import (
     ModelConfig,
     default_eagle3_layers,
 )
-from jaxspec.models.hf import HFCheckpointError, UnsupportedModelError, load_hf, save_hf
+from jaxspec.models.hf import HFCheckpointError, UnsupportedModelError, inspect_hf, load_hf, save_hf
 from jaxspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm, apply_rope, rope_inv_freq
 from jaxspec.models.transformer import Policy, Transformer
 
@@ -24,6 +24,7 @@ __all__ = [
     "Transformer",
     "UnsupportedModelError",
     "apply_rope",
+    "inspect_hf",
     "compact",
     "default_eagle3_layers",
     "load_hf",

@@ -91,26 +91,46 @@ def config_from_hf(
     if dtype is None:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         dtype = dtype if dtype in DTYPES else "float32"
-    heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
-    return ModelConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        qk_norm=family == "qwen3",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
-        dtype=dtype,
-        attention_backend=attention_backend,
-        family=family,
-    )
+    heads = _positive_int(hf, "num_attention_heads")
+    hidden = _positive_int(hf, "hidden_size")
+    kv_heads = _positive_int(hf, "num_key_value_heads", default=heads)
+    head_dim = _positive_int(hf, "head_dim", default=hidden // heads or 1)
+    try:
+        return ModelConfig(
+            vocab_size=_positive_int(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_positive_int(hf, "intermediate_size"),
+            num_layers=_positive_int(hf, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qk_norm=family == "qwen3",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=_positive_int(hf, "max_position_embeddings", default=40960),
+            dtype=dtype,
+            attention_backend=attention_backend,
+            family=family,
+        )
+    except ValueError as e:  # ModelConfig's own checks (e.g. heads vs kv heads)
+        raise HFCheckpointError(f"config.json describes an invalid model: {e}") from None
+
+
+def _positive_int(hf: dict, key: str, *, default: int | None = None) -> int:
+    """hf[key] as an int >= 1; a missing required key or a bad value names the key."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise HFCheckpointError(
+                f"config.json has no {key!r}: a {hf.get('model_type') or 'Qwen3/Llama'} "
+                f"config needs it (an integer >= 1)"
+            )
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HFCheckpointError(f"config.json {key!r} = {value!r}; valid: an integer >= 1")
+    return value
 
 
 def config_to_hf(config: ModelConfig) -> dict:
@@ -246,9 +266,23 @@ def _optional(name: str, config: ModelConfig) -> bool:
 
 def _read_json(file: pathlib.Path) -> dict:
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HFCheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{file} must hold a JSON object; got {type(data).__name__}")
+    return data
+
+
+def _open(file: pathlib.Path):
+    """safe_open, with a truncated or corrupt file reported as one HFCheckpointError."""
+    try:
+        return safe_open(str(file), framework="np")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+        raise HFCheckpointError(
+            f"{file} is not a readable safetensors file ({e}); it may be truncated: "
+            "copy or convert it again"
+        ) from None
 
 
 def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -273,7 +307,7 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
         )
     files = {}
     for file in candidates:
-        with safe_open(str(file), framework="np") as f:
+        with _open(file) as f:
             for name in f.keys():
                 files[name] = file
     return files
@@ -282,7 +316,7 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
 def _shapes(files: dict[str, pathlib.Path]) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="np") as f:
+        with _open(file) as f:
             present = set(f.keys())
             for name in [n for n, p in files.items() if p == file]:
                 if name in present:  # an index may name a tensor its shard lacks
@@ -316,6 +350,32 @@ def _check(config: ModelConfig, expected: dict, shapes: dict, where: pathlib.Pat
         )
 
 
+def _inspect(path: pathlib.Path, dtype, attention_backend):
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"HF checkpoint directory {str(path)!r} does not exist (load_hf reads local "
+            "directories only; nothing is downloaded)"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} is missing: a HF checkpoint needs config.json")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"load_hf dtype={dtype!r}; valid: {DTYPES} or None")
+    config = config_from_hf(
+        _read_json(config_file), dtype=dtype, attention_backend=attention_backend
+    )
+    files = _tensor_files(path)
+    _check(config, _expected(config), _shapes(files), path)
+    return config, files
+
+
+def inspect_hf(path, dtype: str | None = None, *, attention_backend: str = "reference") -> ModelConfig:
+    """Check a local HF directory as `load_hf` would — config.json, every safetensors
+    header, tensor names and shapes — without reading any weights; return its ModelConfig.
+    Cheap enough to run before anything compiles."""
+    return _inspect(pathlib.Path(os.fspath(path)).expanduser(), dtype, attention_backend)[0]
+
+
 def load_hf(
     path,
     dtype: str | None = None,
@@ -331,28 +391,14 @@ def load_hf(
     straight onto its sharding.
     """
     path = pathlib.Path(os.fspath(path)).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"HF checkpoint directory {str(path)!r} does not exist (load_hf reads local "
-            "directories only; nothing is downloaded)"
-        )
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} is missing: a HF checkpoint needs config.json")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"load_hf dtype={dtype!r}; valid: {DTYPES} or None")
-    config = config_from_hf(
-        _read_json(config_file), dtype=dtype, attention_backend=attention_backend
-    )
-    files = _tensor_files(path)
+    config, files = _inspect(path, dtype, attention_backend)
     expected = _expected(config)
-    _check(config, expected, _shapes(files), path)
 
     # Read each file once, convert into our layout and dtype, stack layers.
     np_dtype = _NP_DTYPES[config.dtype]
     by_path: dict[tuple[str, ...], list] = {}
     for file in sorted({files[name] for name in expected}):
-        with safe_open(str(file), framework="np") as f:
+        with _open(file) as f:
             for name, (w, layer) in expected.items():
                 if files[name] != file:
                     continue
