@@ -6,7 +6,15 @@ from jaxspec.models.config import (
     ModelConfig,
     default_eagle3_layers,
 )
-from jaxspec.models.hf import HFCheckpointError, UnsupportedModelError, inspect_hf, load_hf, save_hf
+from jaxspec.models.hf import (
+    HFCheckpointError,
+    SpecialTokens,
+    UnsupportedModelError,
+    inspect_hf,
+    load_hf,
+    save_hf,
+    special_tokens,
+)
 from jaxspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm, apply_rope, rope_inv_freq
 from jaxspec.models.transformer import Policy, Transformer
 
@@ -21,6 +29,7 @@ __all__ = [
     "ModelConfig",
     "Policy",
     "RMSNorm",
+    "SpecialTokens",
     "Transformer",
     "UnsupportedModelError",
     "apply_rope",
@@ -30,4 +39,5 @@ __all__ = [
     "load_hf",
     "rope_inv_freq",
     "save_hf",
+    "special_tokens",
 ]

@@ -426,12 +426,74 @@ def load_hf(
     return abstract.replace(params=jax.tree_util.tree_unflatten(treedef, values))
 
 
-def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+# Files a server needs beside the weights: the tokenizer (every format transformers writes)
+# and the generation defaults, whose eos_token_id list is what stops generation.
+_SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                  "chat_template.jinja", "chat_template.json", "generation_config.json")
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialTokens:
+    """Special-token ids of a HF model directory (None where it names none)."""
+
+    bos: int | None
+    eos: tuple[int, ...]  # every id that ends a generation
+    pad: int | None
+
+
+def _ids(value, where: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise HFCheckpointError(f"{where} = {value!r}; valid: a token id or a list of ids")
+    return tuple(values)
+
+
+def special_tokens(path) -> SpecialTokens:
+    """bos / eos / pad ids from config.json and generation_config.json (whose eos list wins:
+    it is what transformers, vLLM and SGLang stop on; config.json's ids are added to it)."""
+    path = pathlib.Path(os.fspath(path)).expanduser()
+    merged: dict[str, tuple[int, ...]] = {k: () for k in _SPECIAL_IDS}
+    for name in ("config.json", "generation_config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        data = _read_json(file)
+        for key in _SPECIAL_IDS:
+            ids = _ids(data.get(key), f"{file} {key}")
+            if key == "eos_token_id":
+                merged[key] = tuple(dict.fromkeys(ids + merged[key]))  # ordered union
+            elif ids:
+                merged[key] = ids[:1]
+    bos, pad = merged["bos_token_id"], merged["pad_token_id"]
+    return SpecialTokens(bos[0] if bos else None, merged["eos_token_id"], pad[0] if pad else None)
+
+
+def _copy_serving_files(source: pathlib.Path, dest: pathlib.Path) -> SpecialTokens:
+    if not source.is_dir():
+        raise FileNotFoundError(f"tokenizer source {str(source)!r} is not a directory")
+    for name in _SERVING_FILES:
+        if (source / name).is_file():
+            (dest / name).write_bytes((source / name).read_bytes())
+    return special_tokens(source)
+
+
+def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30, source=None) -> None:
     """Write config.json and safetensors (sharded with an index past max_shard_bytes)
-    that `transformers` loads as Qwen3ForCausalLM / LlamaForCausalLM."""
+    that `transformers` loads as Qwen3ForCausalLM / LlamaForCausalLM.
+
+    source: the HF directory the policy came from; its tokenizer files and
+    generation_config.json are copied and its bos/eos/pad ids written into config.json,
+    so a server (or `AutoTokenizer`) can use the export as it is."""
     config = policy.config
     path = pathlib.Path(os.fspath(path)).expanduser()
     path.mkdir(parents=True, exist_ok=True)
+    ids = None
+    if source is not None:
+        ids = _copy_serving_files(pathlib.Path(os.fspath(source)).expanduser(), path)
     flat = {
         param_path(kp): leaf
         for kp, leaf in jax.tree_util.tree_flatten_with_path(policy.params)[0]
@@ -466,4 +528,9 @@ def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
             "weight_map": weight_map,
         }
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+    hf = config_to_hf(config)
+    if ids is not None:
+        eos = list(ids.eos)
+        hf.update(bos_token_id=ids.bos, eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+                  pad_token_id=ids.pad)
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -79,3 +79,54 @@ def test_truncated_safetensors(ckpt, keep):
         with pytest.raises(HFCheckpointError, match=r"model\.safetensors is not a readable "
                                                     r"safetensors file .*truncated"):
             fn(ckpt)
+
+
+def _tokenizer_dir(path):
+    """A byte-level BPE tokenizer with special tokens and a chat template, written the way
+    transformers writes one (built locally: nothing is downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=28, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:20])
+    tok.train_from_iterator(["abc abd 123"] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|im_end|>{% endfor %}"
+    fast.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 0]}))
+    return fast
+
+
+def test_special_tokens_union_generation_config_first(ckpt):
+    _edit_config(ckpt, eos_token_id=1, bos_token_id=None, pad_token_id=0)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    from jaxspec.models import special_tokens
+
+    ids = special_tokens(ckpt)
+    assert (ids.bos, ids.eos, ids.pad) == (None, (1, 7), 0)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(HFCheckpointError, match=r"eos_token_id = 'x'; valid: a token id"):
+        special_tokens(ckpt)
+
+
+def test_export_carries_tokenizer_generation_config_and_ids(saved, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    src = tmp_path / "src"
+    src.mkdir()
+    fast = _tokenizer_dir(src)
+    (src / "config.json").write_text(json.dumps({"eos_token_id": 1, "pad_token_id": 0}))
+    out = tmp_path / "export"
+    save_hf(Policy.init(_CONFIG, jax.random.key(1)), out, source=src)
+    again = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert again.get_vocab() == fast.get_vocab() and len(again) > 2
+    msgs = [{"role": "user", "content": "abc"}]
+    assert again.apply_chat_template(msgs, tokenize=False) == "<user>abc<|im_end|>"
+    gen = transformers.GenerationConfig.from_pretrained(out, local_files_only=True)
+    assert gen.eos_token_id == [1, 0]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eos_token_id"] == [1, 0] and cfg["pad_token_id"] == fast.pad_token_id == 0
+    assert inspect_hf(out) == _CONFIG
