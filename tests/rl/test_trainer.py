@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -244,3 +246,19 @@ def test_training_logprobs_are_those_of_the_sampling_distribution(base, tmp_path
         for j in range(int(batch.lengths[i])):
             assert logp[i, pl + j - 1, batch.tokens[i, j]] == pytest.approx(
                 batch.gen_logprobs[i, j], abs=1e-5)
+
+
+def test_tasks_and_grpo_import_without_the_trainer():
+    """jaxspec.rl resolves its names lazily: the tasks and the GRPO loss need neither the
+    trainer nor orbax nor optax."""
+    heavy = ("optax", "orbax", "jaxspec.rl.trainer", "jaxspec.checkpoint")
+    code = ("import sys, jaxspec.rl, jaxspec.rl.tasks, jaxspec.rl.grpo; "
+            f"print(sorted(m for m in sys.modules if m.startswith({heavy})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.strip()
+    assert out == "[]"
+    import jaxspec.rl
+
+    assert jaxspec.rl.GRPOTrainer is GRPOTrainer and "draft_optimizer" not in jaxspec.rl.__all__
+    with pytest.raises(AttributeError, match="no attribute 'draft_optimizer'"):
+        jaxspec.rl.draft_optimizer
