@@ -18,7 +18,14 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-__all__ = ["MetricsWriter", "StageTimer", "format_step_line", "scalar_metrics"]
+__all__ = [
+    "MetricsWriter",
+    "StageTimer",
+    "format_step_line",
+    "read_metrics",
+    "run_summary",
+    "scalar_metrics",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -191,3 +198,52 @@ def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | N
             text += f" {100 * m[f'share/{name}']:.0f}%"
         parts.append(text)
     return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------- run summaries
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The rows of <run_dir>/metrics.jsonl, in step order."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: not a run directory of "
+                                f"scripts/train_grpo.py")
+    with open(path) as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def run_summary(rows: list[dict]) -> dict[str, Any]:
+    """The headline numbers of a run: reward over its first and last fifth and the
+    step-to-step noise (std of successive differences / sqrt 2), acceptance length,
+    speculative vs plain generation time at the compared steps, mean stage shares
+    (the first step, which compiles, left out when there are others)."""
+    if not rows:
+        raise ValueError("no metrics rows: the run has not finished a step")
+    reward = np.array([r["reward"] for r in rows], np.float64)
+    n = max(len(rows) // 5, 1)
+    out: dict[str, Any] = {
+        "steps": len(rows),
+        "reward_first_fifth": float(reward[:n].mean()),
+        "reward_last_fifth": float(reward[-n:].mean()),
+        "reward_noise": float(np.std(np.diff(reward)) / np.sqrt(2)) if len(rows) > 2 else 0.0,
+        "acceptance_length_mean": _mean(r.get("acceptance_length") for r in rows),
+        "acceptance_length_last_fifth": _mean(r.get("acceptance_length") for r in rows[-n:]),
+    }
+    compared = [r for r in rows if r.get("generation_plain_time_s") is not None]
+    if compared:
+        spec = _mean(r["generation_time_s"] for r in compared)
+        plain = _mean(r["generation_plain_time_s"] for r in compared)
+        out.update(generation_time_mean=spec, generation_plain_time_mean=plain,
+                   generation_speedup=plain / spec if spec else None,
+                   replay_identical=_mean(r.get("replay_identical") for r in compared))
+    steady = rows[1:] if len(rows) > 1 else rows
+    out["step_time_mean"] = _mean(r.get("time/step") for r in steady)
+    stages = sorted({k[len("share/"):] for r in steady for k in r if k.startswith("share/")})
+    out["stage_shares"] = {k: _mean(r.get(f"share/{k}") for r in steady) for k in stages}
+    return out

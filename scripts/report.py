@@ -34,7 +34,7 @@ def plot_run(run_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from jaxspec.rl.trainer import read_metrics
+    from jaxspec.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     paths = []
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="the run.dir of a scripts/train_grpo.py run")
     args = p.parse_args(argv)
-    from jaxspec.rl.trainer import read_metrics, run_summary
+    from jaxspec.metrics import read_metrics, run_summary
 
     try:
         rows = read_metrics(args.run_dir)

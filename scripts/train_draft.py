@@ -10,7 +10,8 @@ never uses, the draft vocabulary is chosen from their token counts, and the head
 `warmup.draft_steps` steps with the training-time-test loss — the same update the RL step
 runs online, with the draft's own optimizer (`draft_optim`). Writes <run.dir>/policy (HF)
 and <run.dir>/eagle3 (vLLM/SGLang layout); point `draft.hf_path` of a GRPO run at the
-latter, or benchmark both with scripts/bench_rollout.py.
+latter, or benchmark both with scripts/bench_rollout.py. Builds no GRPO trainer: the run
+plan, the device cluster, the (warmed-up) policy and the draft learner only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+
+def train_draft(cfg, plan, *, log=print):
+    """(policy, head): the config's policy (warmed up when it is the tiny model) and a new
+    EAGLE-3 head initialised in-domain on its rollouts."""
+    from jaxspec.rl.build import build_policy
+    from jaxspec.rl.cluster import Cluster
+    from jaxspec.rl.drafting import DraftLearner
+    from jaxspec.rl.steps import sampling_of
+
+    cluster = Cluster.from_plan(cfg, plan)
+    policy = build_policy(cfg, plan, cluster, resuming=False, log=log)
+    sampling, filtered = sampling_of(cfg.sampling)
+    learner = DraftLearner(cfg, plan, cluster, sampling, filtered=filtered, log=log)
+    head, _ = learner.build_head(policy, resuming=False)
+    return policy, head
 
 
 def main(argv=None) -> int:
@@ -28,7 +45,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
 
     from jaxspec.config import ConfigError, load_config
-    from jaxspec.rl.trainer import GRPOTrainer
+    from jaxspec.rl.build import export_models
+    from jaxspec.rl.plan import prepare_run
 
     try:
         cfg = load_config(args.config, list(args.overrides))
@@ -36,11 +54,12 @@ def main(argv=None) -> int:
             raise ConfigError("draft.kind", cfg.draft.kind,
                               "train_draft.py trains a new EAGLE-3 head (draft.kind=eagle3, draft.hf_path=null)",
                               "eagle3")
-        trainer = GRPOTrainer(cfg, log=print)  # warm-up (tiny model) and the offline head training
+        plan = prepare_run(cfg)  # every input check, before anything compiles
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    trainer.export()
+    policy, head = train_draft(cfg, plan)
+    export_models(cfg.run.dir, policy, head)
     print(f"draft trained in {time.perf_counter() - start:.1f}s -> {cfg.run.dir}/eagle3 "
           f"(policy in {cfg.run.dir}/policy); next: python scripts/bench_rollout.py "
           f"--policy {cfg.run.dir}/policy --eagle3 {cfg.run.dir}/eagle3")

@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from jaxspec.config import ConfigError, load_config
-    from jaxspec.metrics import format_step_line
-    from jaxspec.rl.trainer import GRPOTrainer, read_metrics, run_summary
+    from jaxspec.metrics import format_step_line, read_metrics, run_summary
+    from jaxspec.rl.trainer import GRPOTrainer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])

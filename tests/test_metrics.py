@@ -121,3 +121,79 @@ def test_format_step_line():
         "step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | "
         "train 0.41s 25%")
     assert format_step_line(7, {"reward": jnp.float32(1.0)}) == "step 7 | reward 1.000"
+
+
+# --------------------------------------------------------------------------- GRPO step rows
+
+def _batch(**stats):
+    from jaxspec.decoding.engine import RolloutStats
+
+    return types.SimpleNamespace(
+        rewards=np.array([1.0, 0.0, 1.0, 0.5], np.float32), lengths=np.array([3, 5, 2, 6]),
+        version=np.int32(2), plain_time_s=np.float32(stats.pop("plain", np.nan)),
+        replay_identical=np.float32(1.0),
+        stats=RolloutStats(target_forwards=np.int32(7), draft_forwards=np.int32(21),
+                           wall_time_s=np.float32(0.5), **stats))
+
+
+def test_step_metrics_row_from_rollout_stats_and_losses():
+    from jaxspec.rl.metrics import step_metrics
+
+    batch = _batch(row_steps=np.array([2, 3, 1, 4]), tokens_generated=np.array([3, 5, 2, 6]),
+                   accepted_at=np.array([4, 1]), proposed_at=np.array([5, 4]), plain=1.5)
+    m = step_metrics(batch, {"loss": jnp.float32(0.25)}, {"draft_loss": 2.0, "draft_acc_0": 0.5},
+                     completed=4)
+    assert m["reward"] == pytest.approx(0.625) and m["accuracy"] == 0.5
+    assert m["completion_length"] == 4.0
+    assert m["acceptance_length"] == pytest.approx(16 / 10)  # tokens per policy forward
+    assert m["acceptance_rate"] == pytest.approx(5 / 9)
+    assert m["spec/acceptance_at_1"] == pytest.approx(0.8)
+    assert m["spec/acceptance_at_2"] == pytest.approx(0.25)
+    assert (m["spec/target_forwards"], m["spec/draft_forwards"]) == (7, 21)
+    assert (m["policy_version"], m["policy_lag"]) == (2, 1)
+    assert m["generation_speedup"] == pytest.approx(3.0) and m["replay_identical"] == 1.0
+    assert m["grpo/loss"] == 0.25 and m["draft/loss"] == 2.0 and m["draft/acc_0"] == 0.5
+    # plain decoding: no depths, no comparison
+    plain = _batch(row_steps=np.array([3, 5, 2, 6]), tokens_generated=np.array([3, 5, 2, 6]),
+                   accepted_at=np.zeros((0,), np.int32), proposed_at=np.zeros((0,), np.int32))
+    m = step_metrics(plain, {}, {}, completed=3)
+    assert m["acceptance_length"] == 1.0 and m["policy_lag"] == 0
+    assert not any(k.startswith(("spec/acceptance_at", "acceptance_rate", "generation_plain"))
+                   for k in m)
+
+
+def test_collapse_alarm_counts_consecutive_steps_below_the_threshold():
+    from jaxspec.rl.metrics import collapse_alarm
+
+    count, alarms = 0, []
+    for length in (1.0, 1.0, 1.2, 1.0, 1.0, 1.0):
+        count, warning = collapse_alarm(length, count, threshold=1.05, patience=2)
+        alarms.append((count, warning is not None))
+    assert alarms == [(1, False), (2, True), (0, False), (1, False), (2, True), (3, True)]
+    assert "1.000 < 1.05 for 3 steps" in warning
+
+
+def test_run_summary_of_a_linear_reward_curve(tmp_path):
+    from jaxspec.metrics import read_metrics, run_summary
+
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        for step in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
+            row = {"reward": 0.1 * (step - 1), "acceptance_length": 2.0 if step > 5 else 1.0,
+                   "generation_time_s": 1.0, "time/step": 4.0 if step == 1 else 2.0,
+                   "share/generation": 0.5}
+            if step % 2:
+                row.update(generation_plain_time_s=3.0, replay_identical=1.0)
+            writer.write(step, row)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    s = run_summary(rows)
+    assert s["steps"] == 10
+    assert s["reward_first_fifth"] == pytest.approx(0.05)  # steps 1-2
+    assert s["reward_last_fifth"] == pytest.approx(0.85)  # steps 9-10
+    assert s["reward_noise"] == pytest.approx(0.0, abs=1e-12)  # constant differences
+    assert s["acceptance_length_mean"] == 1.5 and s["acceptance_length_last_fifth"] == 2.0
+    assert s["generation_speedup"] == pytest.approx(3.0) and s["replay_identical"] == 1.0
+    assert s["step_time_mean"] == 2.0  # the first (compiling) step left out
+    assert s["stage_shares"] == {"generation": 0.5}
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        read_metrics(tmp_path / "missing")

@@ -20,15 +20,18 @@ for it. The pipeline order is simulated deterministically (no threads), so a run
 pure function of its config and seed, and a resumed run equals an uninterrupted one.
 
 Everything a run needs to continue is checkpointed under <run.dir>/checkpoints.
+
+The parts, each in its own module: the run plan (`plan`: host-side checks, devices), the
+cluster (`cluster`: meshes, placement, weight sync), the models before training (`build`:
+loading, warm-up, export), draft initialisation and training (`drafting`), rollout
+production (`rollouts`: data, generation, reward), the jitted steps (`steps`), the run
+state and its checkpoint (`state`) and the logged row with the collapse alarm
+(`metrics`). `GRPOTrainer` composes them and runs the loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,26 +40,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jaxspec import parallel
-from jaxspec.checkpoint import CheckpointManager
-from jaxspec.config import Config, ConfigError, OptimSpec, draft_headroom
+from jaxspec.config import Config
 from jaxspec.config import save as save_config
-from jaxspec.decoding import drafters as drafters_lib
-from jaxspec.decoding.engine import RolloutStats, generate
-from jaxspec.decoding.sampling import SamplingConfig, process_logits
-from jaxspec.metrics import MetricsWriter, StageTimer
-from jaxspec.models import Llama3RopeScaling, ModelConfig, Policy, load_hf
-from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
-from jaxspec.rl import tasks as tasks_lib
-from jaxspec.rl.draft import DraftLossConfig, draft_train_step
-from jaxspec.rl.grpo import group_advantages, grpo_loss
-from jaxspec.rl.warmup import (
-    draft_corpus,
-    encode_pairs,
-    init_eagle3_head,
-    supervised_warmup,
+from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary
+from jaxspec.models import Policy
+from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.rl.build import build_draft_model, build_policy, export_models
+from jaxspec.rl.cluster import Cluster
+from jaxspec.rl.drafting import DraftLearner
+from jaxspec.rl.grpo import group_advantages
+from jaxspec.rl.metrics import collapse_alarm, step_metrics
+from jaxspec.rl.plan import HFTokenizer, RunPlan, _checkpoint_dir, prepare_run
+from jaxspec.rl.rollouts import RolloutBatch, RolloutWorker, abstract_batch, make_drafter
+from jaxspec.rl.state import RunState, restore_checkpoint, save_checkpoint
+from jaxspec.rl.steps import (
+    POLICY_INPUTS,
+    make_optimizer,
+    policy_update,
+    sampling_of,
+    score_rollouts,
 )
 
 __all__ = [
@@ -74,418 +77,15 @@ __all__ = [
 _log = logging.getLogger("jaxspec.rl")
 
 
-# ----------------------------------------------------------------------------- host-side plan
-
-class HFTokenizer:
-    """The `CharTokenizer` interface over a local `transformers` tokenizer (no downloads)."""
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        if self._tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {path} has no EOS token (rollouts need one to stop)")
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
-
-    @property
-    def pad_id(self) -> int:
-        pad = self._tok.pad_token_id
-        return self._tok.eos_token_id if pad is None else pad
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._tok.bos_token_id
-
-    @property
-    def eos_id(self) -> int:
-        return self._tok.eos_token_id
-
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False)
-        if bos and self.bos_id is not None:
-            ids = [self.bos_id] + ids
-        return ids + ([self.eos_id] if eos else [])
-
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-    """What `prepare_run` settles on the host before anything is compiled."""
-
-    task: tasks_lib.Task
-    tokenizer: Any  # CharTokenizer or HFTokenizer
-    model_config: ModelConfig
-    draft_model_config: ModelConfig | None  # kind draft_model built from draft.model
-    tree: drafters_lib.TreeSpec | None
-    generation_devices: tuple
-    training_devices: tuple
-    resume_step: int | None  # the checkpoint a resumed run restarts from
-
-
-def _read_json(path: str, key: str) -> dict:
-    try:
-        with open(os.path.join(path, "config.json")) as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(key, path, f"cannot read config.json ({e})",
-                          "a local HF directory with a valid config.json") from None
-
-
-def _tiny_model_config(spec, vocab: int) -> ModelConfig:
-    scaling = spec.rope_scaling
-    if scaling is not None:
-        try:
-            scaling = Llama3RopeScaling(**scaling)
-        except TypeError as e:
-            raise ConfigError("model.rope_scaling", spec.rope_scaling, str(e),
-                              "factor, low_freq_factor, high_freq_factor, "
-                              "original_max_position_embeddings") from None
-    return ModelConfig(
-        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=scaling,
-        rms_norm_eps=spec.rms_norm_eps, qk_norm=spec.qk_norm, tie_embeddings=spec.tie_embeddings,
-        max_position_embeddings=spec.max_position_embeddings, dtype=spec.dtype,
-        attention_backend=spec.attention_backend, family=spec.family)
-
-
-def _checkpoint_dir(cfg: Config) -> str:
-    return os.path.join(cfg.run.dir, "checkpoints")
-
-
-def _saved_steps(directory: str) -> list[int]:
-    if not os.path.isdir(directory):
-        return []
-    return CheckpointManager(directory, create=False).all_steps()
-
-
-def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
-    """Every check a user's input can fail, on the host, before any compilation: the task
-    and its data, the tokenizer, prompt lengths against the cache, the draft against the
-    policy, the device split, and the checkpoint to resume from. Raises one ConfigError."""
-    d, r = cfg.draft, cfg.rollout
-    if d.kind == "mtp":
-        raise ConfigError("draft.kind", "mtp", "the GRPO trainer has no MTP training loss",
-                          "'eagle3', 'draft_model', 'ngram' or 'none'")
-    # The task and its data.
-    try:
-        task = tasks_lib.make_task(cfg.task.name, seed=cfg.run.seed, path=cfg.task.path,
-                                   **cfg.task.params)
-    except (tasks_lib.DatasetError, FileNotFoundError) as e:
-        raise ConfigError("task.path", cfg.task.path, str(e),
-                          "a JSONL file of {\"prompt\", \"answer\"} lines") from None
-    # The policy's architecture and the tokenizer.
-    if cfg.model.hf_path is not None:
-        from jaxspec.models.hf import config_from_hf
-
-        hf = _read_json(cfg.model.hf_path, "model.hf_path")
-        try:
-            model_config = config_from_hf(hf, dtype=cfg.model.dtype,
-                                          attention_backend=cfg.model.attention_backend)
-        except ValueError as e:
-            raise ConfigError("model.hf_path", cfg.model.hf_path, str(e)) from None
-    else:
-        model_config = None
-    tokenizer = task.tokenizer
-    if tokenizer is None:
-        try:
-            tokenizer = HFTokenizer(cfg.model.hf_path)
-        except (OSError, ValueError) as e:
-            raise ConfigError("model.hf_path", cfg.model.hf_path, f"no usable tokenizer ({e})",
-                              "a HF directory with tokenizer files") from None
-    if model_config is None:
-        model_config = _tiny_model_config(cfg.model, cfg.model.vocab_size or tokenizer.vocab_size)
-    vocab = model_config.vocab_size
-    if tokenizer.vocab_size > vocab:
-        raise ConfigError("model.vocab_size", vocab,
-                          f"smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
-                          f">= {tokenizer.vocab_size}")
-    # Prompt + rollout + draft headroom must fit the policy's cache.
-    room = model_config.max_position_embeddings - r.max_new_tokens - draft_headroom(d)
-    if r.max_prompt_len > room:
-        raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
-                          f"prompt + max_new_tokens {r.max_new_tokens} + draft headroom "
-                          f"{draft_headroom(d)} exceeds the policy's cache "
-                          f"(max_position_embeddings {model_config.max_position_embeddings})",
-                          f"<= {room}")
-    if isinstance(task, tasks_lib.JsonlTask):
-        prompts = [(i, ex.prompt) for i, ex in enumerate(task.examples)]
-    else:
-        prompts = [(i, ex.prompt) for i, ex in enumerate(task.batch(0, r.prompts_per_step))]
-    for i, text in prompts:
-        n = len(tokenizer.encode(text, bos=True))
-        if n > r.max_prompt_len:
-            raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
-                              f"prompt {i} ({text[:40]!r}...) has {n} tokens: longer than the "
-                              f"prompt cache allows", f">= {n} (and within the policy's cache)")
-    # The draft against the policy.
-    if d.layers is not None:
-        bad = [x for x in d.layers if not 0 <= x < model_config.num_layers]
-        if bad:
-            raise ConfigError("draft.layers", list(d.layers), "layer out of range",
-                              f"three layer indices in [0, {model_config.num_layers - 1}]")
-    tree = None
-    if d.tree is not None:
-        try:
-            tree = drafters_lib.TreeSpec(top_k=d.tree.top_k, depth=d.tree.depth,
-                                         budget=d.tree.budget)
-        except ValueError as e:
-            raise ConfigError("draft.tree", dataclasses.asdict(d.tree), str(e)) from None
-    if d.draft_vocab_size is not None and d.draft_vocab_size > vocab:
-        raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
-                          f"larger than the policy's vocabulary ({vocab})", f"<= {vocab}")
-    if d.kind == "eagle3" and d.hf_path is not None:
-        hf = _read_json(d.hf_path, "draft.hf_path")
-        if "draft_vocab_size" not in hf:
-            raise ConfigError("draft.hf_path", d.hf_path, "config.json has no draft_vocab_size: "
-                              "not an EAGLE-3 head", "an EAGLE-3 head directory")
-        head_vocab = hf.get("vocab_size")
-        if head_vocab != vocab:
-            raise ConfigError("draft.hf_path", d.hf_path,
-                              f"the head's vocabulary ({head_vocab} target ids) does not match "
-                              f"the policy's ({vocab})", "a head trained for this policy")
-        target_h = hf.get("target_hidden_size") or hf.get("hidden_size")
-        if target_h != model_config.hidden_size or hf.get("hidden_size") != model_config.hidden_size:
-            raise ConfigError("draft.hf_path", d.hf_path,
-                              f"the head's hidden size {hf.get('hidden_size')} (target "
-                              f"{target_h}) does not match the policy's "
-                              f"{model_config.hidden_size}", "a head trained for this policy")
-        if d.draft_vocab_size is not None and d.draft_vocab_size != hf["draft_vocab_size"]:
-            raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
-                              f"the head in draft.hf_path has {hf['draft_vocab_size']}",
-                              f"null or {hf['draft_vocab_size']}")
-    draft_model_config = None
-    if d.kind == "draft_model":
-        if d.hf_path is not None:
-            hf = _read_json(d.hf_path, "draft.hf_path")
-            if hf.get("vocab_size") != vocab:
-                raise ConfigError("draft.hf_path", d.hf_path,
-                                  f"the draft model's vocabulary ({hf.get('vocab_size')}) does "
-                                  f"not match the policy's ({vocab})",
-                                  "a draft model with the policy's tokenizer")
-        else:
-            draft_model_config = _tiny_model_config(d.model, vocab)
-    # Devices.
-    devices = tuple(jax.devices() if devices is None else devices)
-    batch = r.prompts_per_step * r.group_size
-    a = cfg.async_
-    if a.enabled:
-        n_gen = a.generation_devices or max(len(devices) // 2, 1)
-        n_train = a.training_devices or len(devices) - n_gen
-        if n_train < 1 or n_gen + n_train > len(devices):
-            raise ConfigError("async.training_devices", a.training_devices,
-                              f"{n_gen} generation + {n_train} training devices, but "
-                              f"{len(devices)} are available",
-                              f"generation_devices + training_devices <= {len(devices)}, each >= 1")
-        gen, train = devices[:n_gen], devices[n_gen:n_gen + n_train]
-    else:
-        gen = train = devices
-    meshes = {}
-    for key, group, data in (("generation", gen, -1), ("training", train, cfg.mesh.data)):
-        try:
-            meshes[key] = parallel.make_mesh(data, cfg.mesh.fsdp, cfg.mesh.tensor, list(group))
-        except ValueError as e:
-            raise ConfigError("mesh", {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp,
-                                       "tensor": cfg.mesh.tensor},
-                              f"{e} (the {key} group has {len(group)} devices)") from None
-        shards = meshes[key].shape["data"] * meshes[key].shape["fsdp"]
-        if batch % shards:
-            raise ConfigError("rollout.prompts_per_step", r.prompts_per_step,
-                              f"the {batch} rollouts of a step do not split over the {shards} "
-                              f"batch shards of the {key} devices",
-                              f"prompts_per_step x group_size divisible by {shards}")
-    # Checkpoints.
-    ckpt = _checkpoint_dir(cfg)
-    steps = _saved_steps(ckpt)
-    if cfg.run.resume and not steps:
-        raise ConfigError("run.resume", True, f"no checkpoint to resume from in {ckpt!r}",
-                          "run.resume=false to start a new run, or run.dir=<a run that saved "
-                          "checkpoints>")
-    if not cfg.run.resume and steps:
-        raise ConfigError("run.dir", cfg.run.dir,
-                          f"already holds checkpoints of a run (latest step {steps[-1]})",
-                          "run.resume=true to continue it, or a new run.dir")
-    return RunPlan(task=task, tokenizer=tokenizer, model_config=model_config,
-                   draft_model_config=draft_model_config, tree=tree, generation_devices=gen,
-                   training_devices=train, resume_step=steps[-1] if cfg.run.resume else None)
-
-
-# ----------------------------------------------------------------------------- optimizers
-
-@functools.cache
-def make_optimizer(spec: OptimSpec) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and (its own) global-norm clip. One object per spec, so the
-    jitted updates that take it as a static argument compile once per process."""
-    lr = spec.lr if spec.warmup_steps == 0 else optax.linear_schedule(
-        0.0, spec.lr, spec.warmup_steps)
-    adamw = optax.adamw(lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, weight_decay=spec.weight_decay)
-    if spec.clip_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(spec.clip_norm), adamw)
-
-
-# ----------------------------------------------------------------------------- rollout batch
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class RolloutBatch:
-    """One step's rollouts as the generation side hands them to training (a queue entry)."""
-
-    prompts: Any  # [B, P] int32 right-padded prompt tokens (each prompt repeated G times)
-    prompt_lengths: Any  # [B] int32
-    tokens: Any  # [B, N] int32 generated tokens, right-padded
-    lengths: Any  # [B] int32
-    gen_logprobs: Any  # [B, N] float32 log-probs the generator reported
-    rewards: Any  # [B] float32
-    version: Any  # [] int32 policy version (updates applied) that generated it
-    step: Any  # [] int32 the step it was generated for (data position = step * prompts)
-    stats: RolloutStats  # the generation's speculation counters
-    plain_time_s: Any  # [] float32 plain generation of the same batch, NaN if not compared
-    replay_identical: Any  # [] float32 fraction of rows equal to plain decoding, NaN if not
-
-    def host(self) -> RolloutBatch:
-        return jax.tree.map(np.asarray, self)
-
-
-def _abstract_batch(batch: int, prompt_len: int, new: int, depth: int) -> RolloutBatch:
-    s = jax.ShapeDtypeStruct
-    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
-    stats = RolloutStats(target_forwards=s((), i32), draft_forwards=s((), i32),
-                         row_steps=s((batch,), i32), tokens_generated=s((batch,), i32),
-                         accepted_at=s((depth,), i32), proposed_at=s((depth,), i32),
-                         wall_time_s=s((), f32))
-    return RolloutBatch(prompts=s((batch, prompt_len), i32), prompt_lengths=s((batch,), i32),
-                        tokens=s((batch, new), i32), lengths=s((batch,), i32),
-                        gen_logprobs=s((batch, new), f32), rewards=s((batch,), f32),
-                        version=s((), i32), step=s((), i32), stats=stats,
-                        plain_time_s=s((), f32), replay_identical=s((), f32))
-
-
-# ----------------------------------------------------------------------------- jitted math
-
-def _token_logprobs(logits, tokens, sampling, filtered: bool):
-    """log p(token t+1) under the processed sampling distribution (what the generator
-    reports), and that distribution's entropy, at every position t: [B,T,V], [B,T] -> [B,T] x2.
-
-    Differentiable in the logits: temperature scaling, then (when `filtered`, i.e. top-k or
-    top-p is on) the kept set of `process_logits` as a constant mask."""
-    x = logits.astype(jnp.float32)
-    temperature = jnp.asarray(sampling.temperature, jnp.float32)
-    z = (x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))) / jnp.where(
-        temperature > 0, temperature, 1.0)
-    if filtered:
-        kept = jnp.isfinite(jax.lax.stop_gradient(process_logits(x, sampling)))
-        z = jnp.where(kept, z, -jnp.inf)
-    logp = jax.nn.log_softmax(z, axis=-1)
-    nxt = jnp.roll(tokens, -1, axis=1)
-    lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
-    p = jnp.exp(logp)
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    return lp, entropy
-
-
-@functools.partial(jax.jit, static_argnames=("capture", "filtered"))
-def score_rollouts(
-    policy: Policy,
-    ref_params,  # the reference policy's params, or None (no KL)
-    prompts,  # [B, P] int32 right-padded
-    prompt_lengths,  # [B] int32
-    tokens,  # [B, N] int32 generated, right-padded
-    lengths,  # [B] int32
-    gen_logprobs,  # [B, N] float32
-    sampling: SamplingConfig,
-    *,
-    capture: tuple[int, ...] = (),
-    filtered: bool = False,
-) -> dict[str, jax.Array]:
-    """The logprob stage: pack prompt + rollout into [B, T = P + N] sequences (right-padded,
-    positions -1 on padding) and run the policy (and reference) over them.
-
-    Values at position t are about token t+1 ("next-token" layout): logprobs, entropy,
-    ref_logprobs, gen_logprobs, mask (t+1 is a rollout token). Draft supervision:
-    features [B,T,3H] (captured layers), target_logits [B,T,V] (raw), response [B,T]
-    (token t is a rollout token)."""
-    p = prompts.shape[1]
-    n = tokens.shape[1]
-    idx = jnp.arange(p + n, dtype=jnp.int32)[None, :]
-    off = idx - prompt_lengths[:, None]  # offset into the rollout
-    in_prompt = idx < prompt_lengths[:, None]
-    response = (off >= 0) & (off < lengths[:, None])
-    prompt_wide = jnp.pad(prompts, ((0, 0), (0, n)))
-    rollout_tok = jnp.take_along_axis(tokens, jnp.clip(off, 0, n - 1), axis=1)
-    seq = jnp.where(in_prompt, prompt_wide, jnp.where(response, rollout_tok, 0))
-    positions = jnp.where(in_prompt | response, idx, -1)
-    mask = jnp.roll(response, -1, axis=1).at[:, -1].set(False)
-    gen_lp = jnp.where(mask, jnp.take_along_axis(gen_logprobs, jnp.clip(off + 1, 0, n - 1), axis=1), 0.0)
-
-    logits, captured, _ = policy.forward(seq, positions, capture=capture)
-    lp, entropy = _token_logprobs(logits, seq, sampling, filtered)
-    out = {"tokens": seq, "positions": positions, "mask": mask, "response": response,
-           "logprobs": jnp.where(mask, lp, 0.0), "entropy": entropy, "gen_logprobs": gen_lp}
-    if ref_params is not None:
-        ref_logits, _, _ = policy.replace(params=ref_params).forward(seq, positions)
-        out["ref_logprobs"] = jnp.where(mask, _token_logprobs(ref_logits, seq, sampling, filtered)[0], 0.0)
-    if capture:
-        out["features"] = jnp.concatenate([captured[i] for i in capture], axis=-1)
-        out["target_logits"] = logits
-    return out
-
-
-_POLICY_INPUTS = ("tokens", "positions", "mask", "logprobs", "gen_logprobs", "entropy",
-                  "ref_logprobs")  # what the policy update reads of the logprob stage
-_MIN_KEYS = ("ratio_min",)
-_MAX_KEYS = ("ratio_max", "logprob_mismatch_max")
-
-
-@functools.partial(jax.jit, static_argnames=("optimizer", "grpo_cfg", "minibatches", "filtered"))
-def _policy_update(policy, opt_state, scored, advantages, sampling, *, optimizer, grpo_cfg,
-                   minibatches: int, filtered: bool):
-    """GRPO updates of the policy over `minibatches` disjoint slices of the batch (a scan);
-    metrics are averaged over them (min / max for the ratio extremes)."""
-    data = dict(scored, advantages=advantages)
-    data = jax.tree.map(lambda x: x.reshape((minibatches, -1) + x.shape[1:]), data)
-
-    def loss_fn(params, mb):
-        logits, _, _ = policy.replace(params=params).forward(mb["tokens"], mb["positions"])
-        lp, _ = _token_logprobs(logits, mb["tokens"], sampling, filtered)
-        return grpo_loss(lp, mb["logprobs"], mb.get("ref_logprobs"), mb["advantages"],
-                         mb["mask"], grpo_cfg, gen_logprobs=mb["gen_logprobs"],
-                         entropy=mb["entropy"])
-
-    def body(carry, mb):
-        params, opt_state = carry
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), metrics
-
-    (params, opt_state), metrics = jax.lax.scan(body, (policy.params, opt_state), data)
-    out = {}
-    for k, v in metrics.items():
-        out[k] = v.min() if k in _MIN_KEYS else v.max() if k in _MAX_KEYS else v.mean()
-    return policy.replace(params=params), opt_state, out
-
-
-@functools.partial(jax.jit, static_argnames=("optimizer", "loss_cfg"))
-def _draft_update(head, opt_state, policy, scored, *, optimizer, loss_cfg):
-    """One TTT update of the EAGLE-3 head on the logprob stage's (stop-gradient) features."""
-    return draft_train_step(head, opt_state, optimizer, policy.embed, scored["features"],
-                            scored["tokens"], scored["target_logits"], scored["response"],
-                            loss_cfg)
-
-
-# ----------------------------------------------------------------------------- trainer
-
 def _copy(tree):
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
+
+
+def _state_field(name: str) -> property:
+    """`trainer.<name>` reads and writes `trainer.state.<name>`."""
+    return property(lambda self: getattr(self.state, name),
+                    lambda self, value: setattr(self.state, name, value),
+                    doc=f"RunState.{name}")
 
 
 class GRPOTrainer:
@@ -493,6 +93,17 @@ class GRPOTrainer:
 
     `policy` / `head` / `draft_model` skip building (and warming up) those: tests share one
     warmed-up base this way. `log` receives human-readable lines (warm-up, alarms)."""
+
+    policy = _state_field("policy")
+    opt_state = _state_field("opt_state")
+    ref_params = _state_field("ref_params")
+    head = _state_field("head")
+    draft_opt_state = _state_field("draft_opt_state")
+    draft_model = _state_field("draft_model")
+    key = _state_field("key")
+    queue = _state_field("queue")
+    completed = _state_field("completed")  # steps done = policy version
+    collapsed_steps = _state_field("collapsed_steps")
 
     def __init__(self, cfg: Config, *, policy: Policy | None = None,
                  head: Eagle3Head | None = None, draft_model: Policy | None = None,
@@ -502,433 +113,149 @@ class GRPOTrainer:
         self.log = log or _log.info
         self.plan = plan = prepare_run(cfg, devices=devices)  # host checks only
         self.task, self.tokenizer = plan.task, plan.tokenizer
-        r = cfg.rollout
-        self.batch_size = r.prompts_per_step * r.group_size
-        self.prompt_len, self.max_new = r.max_prompt_len, r.max_new_tokens
+        self.sampling, self.filtered = sampling_of(cfg.sampling)
         self.lag = cfg.async_.max_policy_lag if cfg.async_.enabled else 0
-        self.stop_tokens = (self.tokenizer.eos_id,)
-        self.sampling = SamplingConfig(cfg.sampling.temperature, cfg.sampling.top_k,
-                                       cfg.sampling.top_p)
-        self.filtered = cfg.sampling.top_k > 0 or cfg.sampling.top_p < 1.0
-        rules = cfg.mesh.rules
-        self.rules = rules
-        self.gen_mesh = parallel.make_mesh(-1, cfg.mesh.fsdp, cfg.mesh.tensor,
-                                           list(plan.generation_devices))
-        self.train_mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
-                                             list(plan.training_devices))
+        self.cluster = Cluster.from_plan(cfg, plan)
+        self.gen_mesh, self.train_mesh, self.rules = (
+            self.cluster.gen_mesh, self.cluster.train_mesh, self.cluster.rules)
+        self.rollouts = RolloutWorker(cfg, plan, self.cluster, self.sampling)
+        self.batch_size = self.rollouts.batch_size
         self.optimizer = make_optimizer(cfg.optim)
-        self.draft_optimizer = make_optimizer(cfg.draft_optim)
-        self.loss_cfg = DraftLossConfig(steps=cfg.draft.ttt_steps, decay=cfg.draft.ttt_decay)
+        self.draft = DraftLearner(cfg, plan, self.cluster, self.sampling,
+                                  filtered=self.filtered, log=self.log)
         self.trains_draft = cfg.draft.kind == "eagle3" and cfg.draft.online
-        self._update = functools.partial(
-            _policy_update, optimizer=self.optimizer, grpo_cfg=cfg.grpo,
-            minibatches=cfg.grpo.minibatches, filtered=self.filtered)
-        self._draft_update = functools.partial(
-            _draft_update, optimizer=self.draft_optimizer, loss_cfg=self.loss_cfg)
-        self.key = jax.random.key(cfg.run.seed)
-        self.completed = 0  # steps done = policy version
-        self.queue: list[RolloutBatch] = []
-        self.collapsed_steps = 0
         self.last_batch: RolloutBatch | None = None
         self.last_scored: dict | None = None
-        self._compiled = False
         self.warmup_history: dict[str, Any] = {}  # what the warm-up and draft init did
-        # the reference is checkpointed unless it is the model.hf_path on disk, untouched
-        self.ref_saved = cfg.model.hf_path is None or cfg.warmup.steps > 0
-
-        self._build(policy, head, draft_model)
+        self.state = self._build(policy, head, draft_model)
         if plan.resume_step is not None:
             self._restore(plan.resume_step)
         self._place()
 
     # ------------------------------------------------------------------ building
-    def _build(self, policy, head, draft_model):
-        cfg, plan = self.cfg, self.plan
-        base = jax.random.key(cfg.run.seed)
+    def _build(self, policy, head, draft_model) -> RunState:
+        cfg, plan, history = self.cfg, self.plan, self.warmup_history
         resuming = plan.resume_step is not None
         if policy is None:
-            if cfg.model.hf_path is not None:  # straight into the training shardings
-                policy = load_hf(cfg.model.hf_path, cfg.model.dtype,
-                                 attention_backend=cfg.model.attention_backend,
-                                 shardings=parallel.hf_shardings(cfg.model.hf_path,
-                                                                 self.train_mesh, self.rules))
-            elif resuming:
-                policy = Policy.abstract(plan.model_config)
-            else:
-                policy = Policy.init(plan.model_config, jax.random.fold_in(base, 0))
-            if not resuming and cfg.warmup.steps > 0:
-                policy = self._warm_up(policy, "policy", cfg.run.seed)
-        self.policy = policy
-        self.ref_params = _copy(policy.params) if cfg.grpo.kl_coef > 0 else None
-
-        d = cfg.draft
-        self.head = self.draft_model = self._draft_opt_init = None
-        if d.kind == "eagle3":
-            if head is None:
-                if d.hf_path is not None:
-                    head = load_eagle3(d.hf_path, dtype=cfg.model.dtype,
-                                       attention_backend=cfg.model.attention_backend)
-                else:
-                    size = d.draft_vocab_size or plan.model_config.vocab_size
-                    if resuming:
-                        head = jax.eval_shape(lambda: Eagle3Head.init_for(
-                            policy, size, jax.random.key(0), capture_layers=d.layers))
-                    else:
-                        head = self._init_head(policy, size, jax.random.fold_in(base, 1))
-            self.head = head
-        elif d.kind == "draft_model":
-            if draft_model is None:
-                if d.hf_path is not None:
-                    draft_model = load_hf(d.hf_path, cfg.model.dtype,
-                                          attention_backend=cfg.model.attention_backend,
-                                          shardings=parallel.hf_shardings(
-                                              d.hf_path, self.train_mesh, self.rules))
-                elif resuming:
-                    draft_model = Policy.abstract(plan.draft_model_config)
-                else:
-                    draft_model = Policy.init(plan.draft_model_config, jax.random.fold_in(base, 4))
-                    if cfg.warmup.steps > 0:
-                        draft_model = self._warm_up(draft_model, "draft model", cfg.run.seed + 1)
-            self.draft_model = draft_model
-        self.opt_state = jax.eval_shape(self.optimizer.init, self.policy.params) if resuming \
-            else self.optimizer.init(self.policy.params)
-        self.draft_opt_state = None
+            policy = build_policy(cfg, plan, self.cluster, resuming=resuming, log=self.log,
+                                  history=history)
+        ref_params = _copy(policy.params) if cfg.grpo.kl_coef > 0 else None
+        kind, draft_opt_init = cfg.draft.kind, None
+        if kind != "eagle3":
+            head = None
+        elif head is None:
+            head, draft_opt_init = self.draft.build_head(policy, resuming=resuming,
+                                                         ref_params=ref_params, history=history)
+        if kind != "draft_model":
+            draft_model = None
+        elif draft_model is None:
+            draft_model = build_draft_model(cfg, plan, self.cluster, resuming=resuming,
+                                            log=self.log, history=history)
+        opt_state = jax.eval_shape(self.optimizer.init, policy.params) if resuming \
+            else self.optimizer.init(policy.params)
+        draft_opt_state = None
         if self.trains_draft:
             if resuming:
-                self.draft_opt_state = jax.eval_shape(self.draft_optimizer.init, self.head.params)
-            elif self._draft_opt_init is not None:  # the offline init's state carries on
-                self.draft_opt_state = self._draft_opt_init
+                draft_opt_state = jax.eval_shape(self.draft.optimizer.init, head.params)
+            elif draft_opt_init is not None:  # the offline init's state carries on
+                draft_opt_state = draft_opt_init
             else:
-                self.draft_opt_state = self.draft_optimizer.init(self.head.params)
-
-    def _warm_up(self, policy, what, seed):
-        w = self.cfg.warmup
-        start = time.perf_counter()
-        pairs = self.task.supervised_examples(w.steps * w.batch_size, seed)
-        tokens, mask = encode_pairs(self.tokenizer, pairs)
-        policy, losses = supervised_warmup(policy, tokens, mask, steps=w.steps,
-                                           batch_size=w.batch_size, lr=w.lr)
-        self.warmup_history[f"{what} loss"] = losses
-        self.log(f"warm-up ({what}): {w.steps} steps, loss {losses[0]:.3f} -> "
-                 f"{losses[-max(w.steps // 10, 1):].mean():.3f} ({time.perf_counter() - start:.1f}s)")
-        return policy
-
-    def _init_head(self, policy, size, key):
-        """The in-domain initialisation: the policy's own rollouts on warm-up prompts
-        (a stream separate from the RL prompts), vocabulary from their token counts, then
-        offline steps of the same draft update the RL step runs online."""
-        cfg, w = self.cfg, self.cfg.warmup
-        start = time.perf_counter()
-        pairs = self.task.supervised_examples(w.draft_rollouts, cfg.run.seed + 2)
-        prompts, lengths = self._encode_prompts([p for p, _ in pairs])
-        on_gen = parallel.shard_policy(policy, self.gen_mesh, self.rules)
-        corpus = draft_corpus(
-            on_gen, prompts, lengths, batch_size=self.batch_size, max_new_tokens=self.max_new,
-            sampling=self.sampling, stop_tokens=self.stop_tokens, key=jax.random.fold_in(key, 1),
-            pad_id=self.tokenizer.pad_id, generate_fn=self._generate_on_mesh)
-        on_train = parallel.shard_policy(policy, self.train_mesh, self.rules)
-        ref = None if self.ref_params is None else jax.device_put(
-            self.ref_params, parallel.param_shardings(self.ref_params, self.train_mesh, self.rules))
-
-        def train_step(head, opt_state, batch):
-            scored = self._score(on_train, ref, batch, capture=head.capture_layers)
-            head = parallel.shard_head(head, self.train_mesh, self.rules)
-            opt_state = jax.device_put(
-                opt_state, parallel.param_shardings(opt_state, self.train_mesh, self.rules))
-            with jax.set_mesh(self.train_mesh):
-                return self._draft_update(head, opt_state, on_train, scored)
-
-        head, self._draft_opt_init, history = init_eagle3_head(
-            policy, corpus, draft_vocab_size=size, key=key, steps=w.draft_steps,
-            opt_state_init=self.draft_optimizer.init, train_step=train_step,
-            capture_layers=cfg.draft.layers)
-        self.warmup_history.update(draft=history, draft_token_counts=corpus.token_counts)
-        if history:
-            acc = " ".join(f"{history[-1][f'draft_acc_{s}']:.2f}" for s in range(self.loss_cfg.steps))
-            self.log(f"draft init: {w.draft_rollouts} rollouts, {w.draft_steps} steps, loss "
-                     f"{history[0]['draft_loss']:.3f} -> {history[-1]['draft_loss']:.3f}, "
-                     f"acc/step [{acc}] ({time.perf_counter() - start:.1f}s)")
-        return head
-
-    def _score(self, policy, ref_params, batch, *, capture):
-        """The logprob stage's computation on the training devices; `batch` holds prompts,
-        prompt lengths, rollout tokens, lengths and generation log-probs (host arrays)."""
-        names = ("prompts", "prompt_lengths", "tokens", "lengths", "gen_logprobs")
-        arrays = parallel.shard_batch(dict(zip(names, batch, strict=True)), self.train_mesh,
-                                      self.rules)
-        with jax.set_mesh(self.train_mesh):
-            return score_rollouts(policy, ref_params, **arrays, sampling=self.sampling,
-                                  capture=capture, filtered=self.filtered)
+                draft_opt_state = self.draft.init_state(head)
+        # the reference is checkpointed unless it is the model.hf_path on disk, untouched
+        ref_saved = cfg.model.hf_path is None or cfg.warmup.steps > 0
+        return RunState(policy=policy, opt_state=opt_state, key=jax.random.key(cfg.run.seed),
+                        ref_params=ref_params, ref_saved=ref_saved, head=head,
+                        draft_opt_state=draft_opt_state, draft_model=draft_model)
 
     def _place(self):
         """Params, optimizer states and the reference onto the training devices."""
-        mesh, rules = self.train_mesh, self.rules
-        self.policy = parallel.shard_policy(self.policy, mesh, rules)
-        self.opt_state = jax.device_put(
-            self.opt_state, parallel.param_shardings(self.opt_state, mesh, rules))
-        if self.ref_params is not None:
-            self.ref_params = jax.device_put(
-                self.ref_params, parallel.param_shardings(self.ref_params, mesh, rules))
-        if self.head is not None:
-            self.head = parallel.shard_head(self.head, mesh, rules)
-        if self.draft_opt_state is not None:
-            self.draft_opt_state = jax.device_put(
-                self.draft_opt_state, parallel.param_shardings(self.draft_opt_state, mesh, rules))
-        if self.draft_model is not None:
-            self.draft_model = parallel.shard_policy(self.draft_model, mesh, rules)
+        s, c = self.state, self.cluster
+        s.policy, s.opt_state = c.place_policy(s.policy), c.place_tree(s.opt_state)
+        if s.ref_params is not None:
+            s.ref_params = c.place_tree(s.ref_params)
+        if s.head is not None:
+            s.head = c.place_head(s.head)
+        if s.draft_opt_state is not None:
+            s.draft_opt_state = c.place_tree(s.draft_opt_state)
+        if s.draft_model is not None:
+            s.draft_model = c.place_policy(s.draft_model)
 
     # ------------------------------------------------------------------ checkpoints
-    def _state(self) -> dict:
-        state = {"policy": self.policy.params, "opt": self.opt_state, "key": self.key,
-                 "queue": list(self.queue)}
-        if self.ref_params is not None and self.ref_saved:
-            state["ref"] = self.ref_params
-        if self.head is not None:
-            state["head"] = self.head
-        if self.draft_opt_state is not None:
-            state["draft_opt"] = self.draft_opt_state
-        if self.draft_model is not None:
-            state["draft_model"] = self.draft_model.params
-        return state
-
-    def _meta(self) -> dict:
-        return {"step": self.completed, "data_position": self.completed * self.cfg.rollout.prompts_per_step,
-                "collapsed_steps": self.collapsed_steps, "queue": [int(b.step) for b in self.queue]}
-
     def save(self) -> None:
         """Checkpoint everything needed to continue as step `completed`."""
-        with CheckpointManager(_checkpoint_dir(self.cfg),
-                               max_to_keep=self.cfg.run.keep_checkpoints) as mgr:
-            mgr.save(self.completed, self._state(), self._meta())
+        save_checkpoint(_checkpoint_dir(self.cfg), self.state,
+                        prompts_per_step=self.cfg.rollout.prompts_per_step,
+                        keep=self.cfg.run.keep_checkpoints)
 
     def _restore(self, step: int) -> None:
-        ckpt = _checkpoint_dir(self.cfg)
-        with CheckpointManager(ckpt, create=False) as mgr:
-            _, meta = mgr.restore(step)  # the meta says how long the queue is
-        drafter = self._drafter(self.head, self.draft_model)
+        drafter = make_drafter(self.cfg.draft, self.plan.tree, self.head, self.draft_model)
         depth = 0 if drafter is None else drafter.max_depth
-        self.queue = [_abstract_batch(self.batch_size, self.prompt_len, self.max_new, depth)
-                      for _ in meta["queue"]]
-        if self.ref_params is not None and self.ref_saved:
-            self.ref_params = jax.eval_shape(lambda p: p, self.policy.params)
-        target = jax.eval_shape(lambda s: s, self._state())
-        with CheckpointManager(ckpt, create=False) as mgr:
-            state, meta = mgr.restore(step, target=target)
-        self.policy = self.policy.replace(params=state["policy"])
-        self.opt_state, self.key = state["opt"], state["key"]
-        self.queue = [b.host() for b in state["queue"]]
-        if "ref" in state:
-            self.ref_params = state["ref"]
-        if "head" in state:
-            self.head = state["head"]
-        if "draft_opt" in state:
-            self.draft_opt_state = state["draft_opt"]
-        if "draft_model" in state:
-            self.draft_model = self.draft_model.replace(params=state["draft_model"])
-        self.completed = int(meta["step"])
-        self.collapsed_steps = int(meta["collapsed_steps"])
+        r = self.cfg.rollout
+        ckpt = _checkpoint_dir(self.cfg)
+        restore_checkpoint(ckpt, step, self.state, lambda: abstract_batch(
+            self.batch_size, r.max_prompt_len, r.max_new_tokens, depth))
         self.log(f"resumed from {ckpt} at step {self.completed}")
 
-    # ------------------------------------------------------------------ stages
-    def _encode_prompts(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """[len(texts), max_prompt_len] right-padded prompt tokens (BOS first) and lengths."""
-        out = np.full((len(texts), self.prompt_len), self.tokenizer.pad_id, np.int32)
-        lengths = np.zeros((len(texts),), np.int32)
-        for i, text in enumerate(texts):
-            ids = self.tokenizer.encode(text, bos=True)
-            if len(ids) > self.prompt_len:
-                raise ValueError(f"prompt {text[:40]!r} has {len(ids)} tokens; "
-                                 f"rollout.max_prompt_len is {self.prompt_len}")
-            out[i, :len(ids)] = ids
-            lengths[i] = len(ids)
-        return out, lengths
-
-    def _examples(self, step: int):
-        n = self.cfg.rollout.prompts_per_step
-        return self.task.batch(step * n, n)
-
-    def _drafter(self, head, draft_model):
-        d = self.cfg.draft
-        if d.kind == "eagle3":
-            return drafters_lib.Eagle3Drafter(head, k=d.k, tree=self.plan.tree)
-        if d.kind == "draft_model":
-            return drafters_lib.DraftModelDrafter(draft_model, k=d.k)
-        if d.kind == "ngram":
-            return drafters_lib.NGramDrafter(k=d.k, min_n=d.ngram.min_n, max_n=d.ngram.max_n)
-        return None
-
+    # ------------------------------------------------------------------ one step
     def sync_weights(self):
-        """The setup stage: the current policy and draft params onto the generation devices.
-        Returns (policy, drafter) for `generate` there."""
-        mesh, rules = self.gen_mesh, self.rules
-        policy, _ = parallel.sync_weights(self.policy.params,
-                                          parallel.param_shardings(self.policy, mesh, rules))
-        policy = self.policy.replace(params=policy)
-        head = draft_model = None
-        if self.head is not None:
-            params, _ = parallel.sync_weights(self.head.params,
-                                              parallel.param_shardings(self.head, mesh, rules))
-            buffers, _ = parallel.sync_weights(
-                self.head.buffers, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-            head = dataclasses.replace(self.head, params=params, buffers=buffers)
-        if self.draft_model is not None:
-            params, _ = parallel.sync_weights(
-                self.draft_model.params, parallel.param_shardings(self.draft_model, mesh, rules))
-            draft_model = self.draft_model.replace(params=params)
-        return policy, self._drafter(head, draft_model)
-
-    def _generate(self, policy, drafter, step: int, prompts, lengths):
-        rows = np.arange(self.batch_size, dtype=np.int32) + step * self.batch_size
-        return self._generate_on_mesh(policy, (prompts, lengths), drafter=drafter, rows=rows,
-                                      key=jax.random.fold_in(self.key, step),
-                                      method=self.cfg.rollout.method)
-
-    def _generate_on_mesh(self, policy, prompts, *, rows, key, drafter=None, method=None, **_):
-        """`generate` on the generation devices: rows (global rollout ids) on the batch
-        sharding, so GSPMD splits the rollouts over the generation mesh."""
-        rows = parallel.shard_batch(np.asarray(rows, np.int32), self.gen_mesh, self.rules)
-        key = jax.device_put(key, jax.sharding.NamedSharding(
-            self.gen_mesh, jax.sharding.PartitionSpec()))
-        with jax.set_mesh(self.gen_mesh):
-            return generate(policy, prompts, drafter=drafter, sampling=self.sampling,
-                            max_new_tokens=self.max_new, key=key, stop_tokens=self.stop_tokens,
-                            method=method or self.cfg.rollout.method, rows=rows,
-                            pad_id=self.tokenizer.pad_id)
-
-    def _rewards(self, examples, tokens, lengths) -> np.ndarray:
-        g = self.cfg.rollout.group_size
-        out = np.zeros((len(lengths),), np.float32)
-        for i in range(len(lengths)):
-            completion = self.tokenizer.decode(tokens[i, :lengths[i]])
-            out[i] = self.task.reward(examples[i // g], completion)
-        return out
-
-    def _produce(self, step: int, timer: StageTimer, compare: bool) -> RolloutBatch:
-        """Data, setup, generation and reward for the batch of `step` with the current params."""
-        g = self.cfg.rollout.group_size
-        with timer.stage("data"):
-            examples = self._examples(step)
-            prompts, lengths = self._encode_prompts([ex.prompt for ex in examples])
-            prompts, lengths = np.repeat(prompts, g, axis=0), np.repeat(lengths, g, axis=0)
-        with timer.stage("setup") as s:
-            policy, drafter = s.ready(self.sync_weights())
-        with timer.stage("generation") as s:
-            out = s.ready(self._generate(policy, drafter, step, prompts, lengths))
-        plain_time, identical = math.nan, math.nan
-        if compare and drafter is not None:
-            plain = self._generate(policy, None, step, prompts, lengths)
-            plain_time = float(plain.stats.wall_time_s)
-            identical = float(np.mean(np.all(
-                (np.asarray(plain.tokens) == np.asarray(out.tokens)), axis=1)
-                & (np.asarray(plain.lengths) == np.asarray(out.lengths))))
-        with timer.stage("reward"):
-            tokens, gen_lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-            rewards = self._rewards(examples, tokens, gen_lengths)
-        return RolloutBatch(
-            prompts=prompts, prompt_lengths=lengths, tokens=tokens, lengths=gen_lengths,
-            gen_logprobs=np.asarray(out.logprobs), rewards=rewards,
-            version=np.int32(self.completed), step=np.int32(step), stats=out.stats,
-            plain_time_s=np.float32(plain_time), replay_identical=np.float32(identical)).host()
+        """The setup stage: (policy, drafter) on the generation devices."""
+        return self.rollouts.sync_weights(*self.state.models)
 
     def compile(self) -> None:
         """Compile speculative (and, when compared, plain) generation on the real shapes, so
         step times and the speculative/plain ratio measure steady-state decoding."""
-        if self._compiled:
-            return
-        examples = self._examples(self.completed)
-        prompts, lengths = self._encode_prompts([ex.prompt for ex in examples])
-        g = self.cfg.rollout.group_size
-        prompts, lengths = np.repeat(prompts, g, axis=0), np.repeat(lengths, g, axis=0)
-        policy, drafter = self.sync_weights()
-        self._generate(policy, drafter, 0, prompts, lengths)
-        if drafter is not None and self.cfg.run.compare_plain:
-            self._generate(policy, None, 0, prompts, lengths)
-        self._compiled = True
+        self.rollouts.compile(self.state)
 
-    # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, Any]:
         """One GRPO step; returns its metrics (python/numpy scalars and small arrays)."""
-        cfg = self.cfg
-        s = self.completed
+        cfg, s = self.cfg, self.state
         timer = StageTimer()
         every = cfg.run.compare_plain
         # Generation: make sure the batches of steps s .. s+lag exist (async: the newest one
         # comes from the current params while the older ones were made by older params).
-        wanted = [t for t in range(s, s + self.lag + 1) if t < max(cfg.run.steps, s + 1)]
-        have = {int(b.step) for b in self.queue}
+        done = s.completed
+        wanted = [t for t in range(done, done + self.lag + 1) if t < max(cfg.run.steps, done + 1)]
+        have = {int(b.step) for b in s.queue}
         for t in wanted:
             if t not in have:
-                self.queue.append(self._produce(t, timer, compare=bool(every) and t % every == 0))
-        self.queue.sort(key=lambda b: int(b.step))
-        batch = self.queue.pop(0)
-        assert int(batch.step) == s, (int(batch.step), s)
+                s.queue.append(self.rollouts.produce(s, t, timer,
+                                                     compare=bool(every) and t % every == 0))
+        s.queue.sort(key=lambda b: int(b.step))
+        batch = s.queue.pop(0)
+        assert int(batch.step) == done, (int(batch.step), done)
 
         with timer.stage("logprob") as st:
-            capture = self.head.capture_layers if self.trains_draft else ()
-            scored = st.ready(self._score(
-                self.policy, self.ref_params, (batch.prompts, batch.prompt_lengths, batch.tokens,
-                                               batch.lengths, batch.gen_logprobs), capture=capture))
+            capture = s.head.capture_layers if self.trains_draft else ()
+            scored = st.ready(self.cluster.score(
+                s.policy, s.ref_params, (batch.prompts, batch.prompt_lengths, batch.tokens,
+                                         batch.lengths, batch.gen_logprobs),
+                sampling=self.sampling, capture=capture, filtered=self.filtered))
         with timer.stage("training") as st:
-            g = cfg.rollout.group_size
-            adv = group_advantages(batch.rewards, g, normalize_std=cfg.grpo.normalize_std,
+            adv = group_advantages(batch.rewards, cfg.rollout.group_size,
+                                   normalize_std=cfg.grpo.normalize_std,
                                    estimator=cfg.grpo.advantage)
-            adv = parallel.shard_batch(np.asarray(adv, np.float32), self.train_mesh, self.rules)
-            scored_by = self.policy  # the features and the frozen embedding come from it
-            with jax.set_mesh(self.train_mesh):
-                self.policy, self.opt_state, grpo_metrics = self._update(
-                    self.policy, self.opt_state, {k: scored[k] for k in _POLICY_INPUTS
-                                                  if k in scored}, adv, self.sampling)
+            adv = self.cluster.shard_batch(np.asarray(adv, np.float32))
+            scored_by = s.policy  # the features and the frozen embedding come from it
+            with self.cluster.training():
+                s.policy, s.opt_state, grpo_metrics = policy_update(
+                    s.policy, s.opt_state, {k: scored[k] for k in POLICY_INPUTS if k in scored},
+                    adv, self.sampling, optimizer=self.optimizer, grpo_cfg=cfg.grpo,
+                    minibatches=cfg.grpo.minibatches, filtered=self.filtered)
                 draft_metrics = {}
                 if self.trains_draft:
-                    self.head, self.draft_opt_state, draft_metrics = self._draft_update(
-                        self.head, self.draft_opt_state, scored_by, scored)
-            st.ready((self.policy.params, self.head))
-        self.completed += 1
+                    s.head, s.draft_opt_state, draft_metrics = self.draft.update(
+                        s.head, s.draft_opt_state, scored_by, scored)
+            st.ready((s.policy.params, s.head))
+        s.completed += 1
         self.last_batch, self.last_scored = batch, scored
-        return self._metrics(batch, timer, grpo_metrics, draft_metrics)
-
-    def _metrics(self, batch: RolloutBatch, timer, grpo_metrics, draft_metrics) -> dict:
-        cfg = self.cfg
-        stats = batch.stats
-        steps = float(np.sum(stats.row_steps))
-        m: dict[str, Any] = {
-            "reward": float(np.mean(batch.rewards)),
-            "reward_std": float(np.std(batch.rewards)),
-            "accuracy": float(np.mean(batch.rewards >= 1.0)),
-            "completion_length": float(np.mean(batch.lengths)),
-            "acceptance_length": float(np.sum(stats.tokens_generated)) / max(steps, 1.0),
-            "generation_time_s": float(stats.wall_time_s),
-            "policy_version": int(batch.version),
-            "policy_lag": self.completed - 1 - int(batch.version),
-        }
-        proposed = np.asarray(stats.proposed_at, np.float64)
-        accepted = np.asarray(stats.accepted_at, np.float64)
-        if proposed.size:
-            m["acceptance_rate"] = float(accepted.sum() / max(proposed.sum(), 1.0))
-            for j, rate in enumerate(accepted / np.maximum(proposed, 1.0)):
-                m[f"spec/acceptance_at_{j + 1}"] = float(rate)
-        m["spec/target_forwards"] = int(stats.target_forwards)
-        m["spec/draft_forwards"] = int(stats.draft_forwards)
-        if not math.isnan(float(batch.plain_time_s)):
-            m["generation_plain_time_s"] = float(batch.plain_time_s)
-            m["generation_speedup"] = float(batch.plain_time_s) / max(float(stats.wall_time_s), 1e-9)
-            m["replay_identical"] = float(batch.replay_identical)
-        for k, v in grpo_metrics.items():
-            m[f"grpo/{k}"] = float(v)
-        for k, v in draft_metrics.items():
-            m[f"draft/{k.removeprefix('draft_')}"] = float(v)
+        m = step_metrics(batch, grpo_metrics, draft_metrics, completed=s.completed)
         if cfg.draft.kind != "none":
-            if m["acceptance_length"] < cfg.draft.collapse_threshold:
-                self.collapsed_steps += 1
-            else:
-                self.collapsed_steps = 0
-            alarm = self.collapsed_steps >= cfg.draft.collapse_patience
-            m["alarm/acceptance_collapse"] = int(alarm)
-            if alarm:
-                msg = (f"WARNING: acceptance length {m['acceptance_length']:.3f} < "
-                       f"{cfg.draft.collapse_threshold} for {self.collapsed_steps} steps in a row: "
-                       f"the draft is not helping (weights dropped at sync? draft diverged?)")
-                self.log(msg) if self._custom_log else _log.warning(msg)
+            s.collapsed_steps, warning = collapse_alarm(
+                m["acceptance_length"], s.collapsed_steps,
+                threshold=cfg.draft.collapse_threshold, patience=cfg.draft.collapse_patience)
+            m["alarm/acceptance_collapse"] = int(warning is not None)
+            if warning is not None:
+                self.log(warning) if self._custom_log else _log.warning(warning)
         m.update(timer.summary())
         return m
 
@@ -961,58 +288,4 @@ class GRPOTrainer:
     def export(self) -> None:
         """The trained policy to <run.dir>/policy (HF safetensors) and an EAGLE-3 head to
         <run.dir>/eagle3 (the vLLM / SGLang layout), for serving or scripts/bench_rollout.py."""
-        from jaxspec.models import save_hf
-        from jaxspec.models.eagle3 import save_eagle3
-
-        save_hf(self.policy, os.path.join(self.cfg.run.dir, "policy"))
-        if self.head is not None:
-            save_eagle3(self.head, os.path.join(self.cfg.run.dir, "eagle3"))
-
-
-# ----------------------------------------------------------------------------- run summaries
-
-def read_metrics(run_dir: str) -> list[dict]:
-    """The rows of <run_dir>/metrics.jsonl, in step order."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: not a run directory of "
-                                f"scripts/train_grpo.py")
-    with open(path) as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
-    return sorted(rows, key=lambda r: r["step"])
-
-
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(np.mean(values)) if values else None
-
-
-def run_summary(rows: list[dict]) -> dict[str, Any]:
-    """The headline numbers of a run: reward over its first and last fifth and the
-    step-to-step noise (std of successive differences / sqrt 2), acceptance length,
-    speculative vs plain generation time at the compared steps, mean stage shares
-    (the first step, which compiles, left out when there are others)."""
-    if not rows:
-        raise ValueError("no metrics rows: the run has not finished a step")
-    reward = np.array([r["reward"] for r in rows], np.float64)
-    n = max(len(rows) // 5, 1)
-    out: dict[str, Any] = {
-        "steps": len(rows),
-        "reward_first_fifth": float(reward[:n].mean()),
-        "reward_last_fifth": float(reward[-n:].mean()),
-        "reward_noise": float(np.std(np.diff(reward)) / np.sqrt(2)) if len(rows) > 2 else 0.0,
-        "acceptance_length_mean": _mean(r.get("acceptance_length") for r in rows),
-        "acceptance_length_last_fifth": _mean(r.get("acceptance_length") for r in rows[-n:]),
-    }
-    compared = [r for r in rows if r.get("generation_plain_time_s") is not None]
-    if compared:
-        spec = _mean(r["generation_time_s"] for r in compared)
-        plain = _mean(r["generation_plain_time_s"] for r in compared)
-        out.update(generation_time_mean=spec, generation_plain_time_mean=plain,
-                   generation_speedup=plain / spec if spec else None,
-                   replay_identical=_mean(r.get("replay_identical") for r in compared))
-    steady = rows[1:] if len(rows) > 1 else rows
-    out["step_time_mean"] = _mean(r.get("time/step") for r in steady)
-    stages = sorted({k[len("share/"):] for r in steady for k in r if k.startswith("share/")})
-    out["stage_shares"] = {k: _mean(r.get(f"share/{k}") for r in steady) for k in stages}
-    return out
+        export_models(self.cfg.run.dir, self.policy, self.head)

@@ -23,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxspec.config import OptimSpec
 from jaxspec.decoding.engine import generate
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head, choose_draft_vocab
+from jaxspec.rl.steps import make_optimizer
 
 __all__ = [
     "DraftCorpus",
@@ -70,12 +72,6 @@ def _token_nll(policy, tokens, mask):  # [B, T], [B, T] -> scalar mean NLL of th
     return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
-@functools.cache
-def _warmup_optimizer(lr: float) -> optax.GradientTransformation:
-    """One object per lr: the jitted scan takes it as a static argument."""
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr))
-
-
 @functools.partial(jax.jit, static_argnames=("optimizer",))
 def _warmup_scan(policy, opt_state, tokens, mask, optimizer):
     """All warm-up steps in one program: tokens/mask [steps, batch, T]."""
@@ -109,7 +105,8 @@ def supervised_warmup(
     if tokens.shape[0] != steps * batch_size or loss_mask.shape != tokens.shape:
         raise ValueError(f"supervised_warmup needs {steps} x {batch_size} sequences; got tokens "
                          f"{tokens.shape} and loss_mask {loss_mask.shape}")
-    optimizer = _warmup_optimizer(lr)
+    optimizer = make_optimizer(OptimSpec(lr=lr, weight_decay=1e-4, b1=0.9, b2=0.999, eps=1e-8,
+                                         clip_norm=1.0, warmup_steps=0))
     opt_state = optimizer.init(policy.params)
     shape = (steps, batch_size, tokens.shape[1])
     policy, losses = _warmup_scan(policy, opt_state, jnp.asarray(tokens.reshape(shape)),

@@ -1,8 +1,9 @@
 """The whole GRPO train step sharded over 8 simulated devices equals the same step on one
 device. The step covers EAGLE-3 chain generation, the logprob stage, the GRPO policy
 update and the online draft update. After each of 2 steps the tokens and lengths must be
-identical, the non-timing metrics must agree within 1e-5, and so must the policy and head
-params (fp32).
+identical, the non-timing metrics must agree within 1e-5 (relative for those above 1, such
+as gradient norms near 20, where 1e-5 absolute is a few float32 ulps), and the policy and
+head params within 1e-5 (fp32).
 
 The reference is the same trainer given `devices=[one device]`, so both of its meshes
 (generation and training; async is off) hold that single device. All runs start from the
@@ -136,7 +137,7 @@ def test_sharded_train_step_matches_one_device(reference, tmp_path, mesh_name):
         for key, value in ref.items():
             if key.startswith(("time/", "share/")) or key in TIMING:
                 continue
-            assert abs(m[key] - value) <= 1e-5, (step, key, m[key], value)
+            assert abs(m[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, m[key], value)
     for got, want, what in ((policy, ref_policy, "policy"), (head, ref_head, "head")):
         paths = jax.tree_util.tree_flatten_with_path(want)[0]
         for (path, w), g in zip(paths, jax.tree.leaves(got), strict=True):

@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -18,6 +20,11 @@ import optax
 import pytest
 
 from jaxspec.config import load_config
+from jaxspec.rl.build import build_policy
+from jaxspec.rl.cluster import Cluster
+from jaxspec.rl.drafting import DraftLearner
+from jaxspec.rl.plan import prepare_run
+from jaxspec.rl.steps import sampling_of
 from jaxspec.rl.tasks import CharTokenizer
 from jaxspec.rl.trainer import GRPOTrainer
 
@@ -35,11 +42,21 @@ def make_config(run_dir, *extra):
 
 @functools.cache
 def warmed_base():
-    """A warmed-up policy and its in-domain EAGLE-3 head, built by the trainer itself (once
-    per test session; building one writes nothing to its run.dir)."""
+    """A warmed-up policy and its in-domain EAGLE-3 head, built by the trainer's parts as a
+    run of the short config would build them (once per test session; no GRPO trainer, and
+    nothing is written to run.dir). Returns (policy, head, warm-up history)."""
     run_dir = os.path.join(tempfile.gettempdir(), f"jaxspec-test-base-{os.getpid()}")
-    trainer = GRPOTrainer(make_config(run_dir, "run.steps=1"))
-    return trainer.policy, trainer.head, trainer.warmup_history
+    cfg = make_config(run_dir, "run.steps=1")
+    plan = prepare_run(cfg)
+    cluster = Cluster.from_plan(cfg, plan)
+    history = {}
+    policy = build_policy(cfg, plan, cluster, resuming=False, history=history)
+    sampling, filtered = sampling_of(cfg.sampling)
+    learner = DraftLearner(cfg, plan, cluster, sampling, filtered=filtered)
+    # the reference makes the scoring program the RL step's own: compiled once for both
+    head, _ = learner.build_head(policy, resuming=False, ref_params=policy.params,
+                                 history=history)
+    return cluster.place_policy(policy), cluster.place_head(head), history
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +246,19 @@ def test_training_logprobs_are_those_of_the_sampling_distribution(base, tmp_path
         for j in range(int(batch.lengths[i])):
             assert logp[i, pl + j - 1, batch.tokens[i, j]] == pytest.approx(
                 batch.gen_logprobs[i, j], abs=1e-5)
+
+
+def test_tasks_and_grpo_import_without_the_trainer():
+    """jaxspec.rl resolves its names lazily: the tasks and the GRPO loss need neither the
+    trainer nor orbax nor optax."""
+    heavy = ("optax", "orbax", "jaxspec.rl.trainer", "jaxspec.checkpoint")
+    code = ("import sys, jaxspec.rl, jaxspec.rl.tasks, jaxspec.rl.grpo; "
+            f"print(sorted(m for m in sys.modules if m.startswith({heavy})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.strip()
+    assert out == "[]"
+    import jaxspec.rl
+
+    assert jaxspec.rl.GRPOTrainer is GRPOTrainer and "draft_optimizer" not in jaxspec.rl.__all__
+    with pytest.raises(AttributeError, match="no attribute 'draft_optimizer'"):
+        jaxspec.rl.draft_optimizer

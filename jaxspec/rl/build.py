@@ -1,0 +1,87 @@
+"""The run's models before training: the policy (and a small draft model) loaded from a
+HF directory, the shapes a checkpoint restores into, or a fresh tiny model turned into a
+base policy by the supervised warm-up; and the export of the trained models."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import jax
+
+from jaxspec import parallel
+from jaxspec.models import Policy, load_hf
+from jaxspec.rl.warmup import encode_pairs, supervised_warmup
+
+__all__ = ["build_draft_model", "build_policy", "export_models", "warm_up"]
+
+_log = logging.getLogger("jaxspec.rl")
+
+
+def warm_up(policy: Policy, plan, warmup_cfg, seed: int, what: str, *,
+            log: Callable[[str], None] | None = None, history: dict | None = None) -> Policy:
+    """`warmup.steps` supervised steps on the task's supervised pairs (stream `seed`); the
+    per-step losses go to history[f'{what} loss']."""
+    w = warmup_cfg
+    start = time.perf_counter()
+    pairs = plan.task.supervised_examples(w.steps * w.batch_size, seed)
+    tokens, mask = encode_pairs(plan.tokenizer, pairs)
+    policy, losses = supervised_warmup(policy, tokens, mask, steps=w.steps,
+                                       batch_size=w.batch_size, lr=w.lr)
+    if history is not None:
+        history[f"{what} loss"] = losses
+    (log or _log.info)(f"warm-up ({what}): {w.steps} steps, loss {losses[0]:.3f} -> "
+        f"{losses[-max(w.steps // 10, 1):].mean():.3f} ({time.perf_counter() - start:.1f}s)")
+    return policy
+
+
+def _load(path: str, cfg, cluster) -> Policy:
+    """A HF directory straight into its training shardings."""
+    return load_hf(path, cfg.model.dtype, attention_backend=cfg.model.attention_backend,
+                   shardings=parallel.hf_shardings(path, cluster.train_mesh, cluster.rules))
+
+
+def build_policy(cfg, plan, cluster, *, resuming: bool,
+                 log: Callable[[str], None] | None = None, history: dict | None = None) -> Policy:
+    """model.hf_path loaded, or the tiny model: abstract when resuming (the checkpoint
+    fills it), else initialised from the run's seed and warmed up."""
+    if cfg.model.hf_path is not None:
+        policy = _load(cfg.model.hf_path, cfg, cluster)
+    elif resuming:
+        return Policy.abstract(plan.model_config)
+    else:
+        policy = Policy.init(plan.model_config, jax.random.fold_in(jax.random.key(cfg.run.seed), 0))
+    if not resuming and cfg.warmup.steps > 0:
+        policy = warm_up(policy, plan, cfg.warmup, cfg.run.seed, "policy", log=log,
+                         history=history)
+    return policy
+
+
+def build_draft_model(cfg, plan, cluster, *, resuming: bool,
+                      log: Callable[[str], None] | None = None,
+                      history: dict | None = None) -> Policy:
+    """draft.hf_path loaded, or the tiny draft model of draft.model (abstract when
+    resuming, else initialised and warmed up on its own stream)."""
+    if cfg.draft.hf_path is not None:
+        return _load(cfg.draft.hf_path, cfg, cluster)
+    if resuming:
+        return Policy.abstract(plan.draft_model_config)
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed), 4)
+    model = Policy.init(plan.draft_model_config, key)
+    if cfg.warmup.steps > 0:
+        model = warm_up(model, plan, cfg.warmup, cfg.run.seed + 1, "draft model", log=log,
+                        history=history)
+    return model
+
+
+def export_models(run_dir: str, policy: Policy, head=None) -> None:
+    """The policy to <run_dir>/policy (HF safetensors) and an EAGLE-3 head to
+    <run_dir>/eagle3 (the vLLM / SGLang layout)."""
+    from jaxspec.models import save_hf
+    from jaxspec.models.eagle3 import save_eagle3
+
+    save_hf(policy, os.path.join(run_dir, "policy"))
+    if head is not None:
+        save_eagle3(head, os.path.join(run_dir, "eagle3"))

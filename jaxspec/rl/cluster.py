@@ -1,0 +1,99 @@
+"""Where a run's arrays live: the generation and training meshes (disjoint device groups in
+async mode, the same devices otherwise), placement on them, and the weight sync between."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxspec import parallel
+from jaxspec.decoding.engine import generate
+from jaxspec.rl.steps import score_rollouts
+
+__all__ = ["Cluster"]
+
+_SCORED_INPUTS = ("prompts", "prompt_lengths", "tokens", "lengths", "gen_logprobs")
+
+
+class Cluster:
+    """The two roles' meshes over the devices a `RunPlan` assigned them.
+
+    Generation uses data=-1 (every generation device splits the rollout rows); training
+    uses the config's mesh shape. `rules` maps logical parameter axes to mesh axes."""
+
+    def __init__(self, mesh_cfg, generation_devices: Sequence, training_devices: Sequence):
+        self.rules = mesh_cfg.rules
+        self.gen_mesh = parallel.make_mesh(-1, mesh_cfg.fsdp, mesh_cfg.tensor,
+                                           list(generation_devices))
+        self.train_mesh = parallel.make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor,
+                                             list(training_devices))
+
+    @classmethod
+    def from_plan(cls, cfg, plan) -> Cluster:
+        return cls(cfg.mesh, plan.generation_devices, plan.training_devices)
+
+    # ------------------------------------------------------------------ training side
+    def training(self):
+        """Context in which jitted training updates run (`with cluster.training(): ...`)."""
+        return jax.set_mesh(self.train_mesh)
+
+    def place_policy(self, policy):
+        """A Policy (or draft model) on its rule shardings over the training devices."""
+        return parallel.shard_policy(policy, self.train_mesh, self.rules)
+
+    def place_head(self, head):
+        return parallel.shard_head(head, self.train_mesh, self.rules)
+
+    def place_tree(self, tree):
+        """Params-shaped pytrees (optimizer states, reference params) onto the training
+        devices, on the shardings their parameter names give."""
+        return jax.device_put(tree, parallel.param_shardings(tree, self.train_mesh, self.rules))
+
+    def shard_batch(self, x):
+        """Host arrays (leading axis = rollout rows) split over the training batch shards."""
+        return parallel.shard_batch(x, self.train_mesh, self.rules)
+
+    def score(self, policy, ref_params, batch: Sequence, *, sampling, capture=(),
+              filtered: bool = False) -> dict:
+        """The logprob stage (`score_rollouts`) on the training devices; `batch` is (prompts,
+        prompt lengths, rollout tokens, lengths, generation log-probs), host arrays."""
+        arrays = self.shard_batch(dict(zip(_SCORED_INPUTS, batch, strict=True)))
+        with self.training():
+            return score_rollouts(policy, ref_params, **arrays, sampling=sampling,
+                                  capture=capture, filtered=filtered)
+
+    # ------------------------------------------------------------------ generation side
+    def sync_weights(self, policy, head=None, draft_model=None):
+        """The weight sync: the policy, EAGLE-3 head and draft model (each may be None but
+        the policy) resharded onto the generation devices. Returns them in that order."""
+        mesh, rules = self.gen_mesh, self.rules
+        params, _ = parallel.sync_weights(policy.params,
+                                          parallel.param_shardings(policy, mesh, rules))
+        policy = policy.replace(params=params)
+        if head is not None:
+            params, _ = parallel.sync_weights(head.params,
+                                              parallel.param_shardings(head, mesh, rules))
+            buffers, _ = parallel.sync_weights(head.buffers, NamedSharding(mesh, PartitionSpec()))
+            head = dataclasses.replace(head, params=params, buffers=buffers)
+        if draft_model is not None:
+            params, _ = parallel.sync_weights(
+                draft_model.params, parallel.param_shardings(draft_model, mesh, rules))
+            draft_model = draft_model.replace(params=params)
+        return policy, head, draft_model
+
+    def place_for_generation(self, policy):
+        """A Policy on its rule shardings over the generation devices (no timing)."""
+        return parallel.shard_policy(policy, self.gen_mesh, self.rules)
+
+    def generate(self, policy, prompts, *, rows, key, **kwargs):
+        """`jaxspec.decoding.generate` on the generation devices: `rows` (global rollout ids,
+        [B] int) on the batch sharding, so GSPMD splits the rollouts over the generation
+        mesh; every other argument is generate's."""
+        rows = parallel.shard_batch(np.asarray(rows, np.int32), self.gen_mesh, self.rules)
+        key = jax.device_put(key, NamedSharding(self.gen_mesh, PartitionSpec()))
+        with jax.set_mesh(self.gen_mesh):
+            return generate(policy, prompts, rows=rows, key=key, **kwargs)

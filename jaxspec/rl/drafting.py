@@ -1,0 +1,102 @@
+"""Draft initialisation and training: the EAGLE-3 head built
+from a warmed-up policy (in-domain offline initialisation, as the paper recommends), and the
+online update the RL step runs. `scripts/train_draft.py` uses this part alone."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import jax
+
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
+from jaxspec.rl.draft import DraftLossConfig
+from jaxspec.rl.rollouts import encode_prompts
+from jaxspec.rl.steps import draft_update, make_optimizer
+from jaxspec.rl.warmup import draft_corpus, init_eagle3_head
+
+__all__ = ["DraftLearner"]
+
+
+class DraftLearner:
+    """Trains an EAGLE-3 head on the policy's features with the TTT loss and its own
+    optimizer (`draft_optim`): offline from the policy's own rollouts (`init_head`) and
+    online on each RL step's logprob stage (`update`), one compiled update for both."""
+
+    def __init__(self, cfg, plan, cluster, sampling: SamplingConfig, *, filtered: bool,
+                 log: Callable[[str], None] | None = None):
+        self.cfg, self.plan, self.cluster = cfg, plan, cluster
+        self.sampling, self.filtered = sampling, filtered
+        self.log = log or logging.getLogger("jaxspec.rl").info
+        self.optimizer = make_optimizer(cfg.draft_optim)
+        self.loss_cfg = DraftLossConfig(steps=cfg.draft.ttt_steps, decay=cfg.draft.ttt_decay)
+
+    def init_state(self, head):
+        """A fresh optimizer state for the head's params."""
+        return self.optimizer.init(head.params)
+
+    def update(self, head, opt_state, policy, scored: dict):
+        """One online update from score_rollouts' output (capture on); run it inside
+        `cluster.training()`. Returns (head, opt_state, metrics)."""
+        return draft_update(head, opt_state, policy, scored, optimizer=self.optimizer,
+                            loss_cfg=self.loss_cfg)
+
+    def build_head(self, policy, *, resuming: bool, ref_params=None, history=None):
+        """The run's head: loaded from draft.hf_path, the shapes a checkpoint restores into
+        (resuming), or a fresh head initialised in-domain on `policy`. Returns (head, the
+        offline optimizer state to carry on with, or None)."""
+        cfg = self.cfg
+        d = cfg.draft
+        if d.hf_path is not None:
+            return load_eagle3(d.hf_path, dtype=cfg.model.dtype,
+                               attention_backend=cfg.model.attention_backend), None
+        size = d.draft_vocab_size or self.plan.model_config.vocab_size
+        if resuming:
+            return jax.eval_shape(lambda: Eagle3Head.init_for(
+                policy, size, jax.random.key(0), capture_layers=d.layers)), None
+        key = jax.random.fold_in(jax.random.key(cfg.run.seed), 1)
+        return self.init_head(policy, size, key, ref_params=ref_params, history=history)
+
+    def init_head(self, policy, draft_vocab_size: int, key: jax.Array, *, ref_params=None,
+                  history: dict | None = None):
+        """The in-domain initialisation: the policy's own rollouts on warm-up prompts (a
+        stream separate from the RL prompts), the draft vocabulary from their token counts,
+        then warmup.draft_steps offline steps of the online update. `ref_params` (the
+        reference policy, or None) only makes the scoring program the RL step's own, so
+        both compile once. Returns (head, optimizer state); `history` gets the per-step
+        metrics ('draft') and the token counts ('draft_token_counts')."""
+        cfg, w, cluster = self.cfg, self.cfg.warmup, self.cluster
+        r, tokenizer = cfg.rollout, self.plan.tokenizer
+        start = time.perf_counter()
+        pairs = self.plan.task.supervised_examples(w.draft_rollouts, cfg.run.seed + 2)
+        prompts, lengths = encode_prompts(tokenizer, [p for p, _ in pairs], r.max_prompt_len)
+        corpus = draft_corpus(
+            cluster.place_for_generation(policy), prompts, lengths,
+            batch_size=r.prompts_per_step * r.group_size, max_new_tokens=r.max_new_tokens,
+            sampling=self.sampling, stop_tokens=(tokenizer.eos_id,),
+            key=jax.random.fold_in(key, 1), pad_id=tokenizer.pad_id,
+            generate_fn=lambda *a, **kw: cluster.generate(*a, method=r.method, **kw))
+        on_train = cluster.place_policy(policy)
+        ref = None if ref_params is None else cluster.place_tree(ref_params)
+
+        def train_step(head, opt_state, batch):
+            scored = cluster.score(on_train, ref, batch, sampling=self.sampling,
+                                   capture=head.capture_layers, filtered=self.filtered)
+            head, opt_state = cluster.place_head(head), cluster.place_tree(opt_state)
+            with cluster.training():
+                return self.update(head, opt_state, on_train, scored)
+
+        head, opt_state, steps = init_eagle3_head(
+            policy, corpus, draft_vocab_size=draft_vocab_size, key=key, steps=w.draft_steps,
+            opt_state_init=self.optimizer.init, train_step=train_step,
+            capture_layers=cfg.draft.layers)
+        if history is not None:
+            history.update(draft=steps, draft_token_counts=corpus.token_counts)
+        if steps:
+            acc = " ".join(f"{steps[-1][f'draft_acc_{s}']:.2f}" for s in range(self.loss_cfg.steps))
+            self.log(f"draft init: {w.draft_rollouts} rollouts, {w.draft_steps} steps, loss "
+                     f"{steps[0]['draft_loss']:.3f} -> {steps[-1]['draft_loss']:.3f}, "
+                     f"acc/step [{acc}] ({time.perf_counter() - start:.1f}s)")
+        return head, opt_state

@@ -1,0 +1,166 @@
+"""The generation role: a step's prompts, the weight sync, speculative generation (and the
+plain comparison) on the generation devices, and the rewards — one `RolloutBatch`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxspec.decoding import drafters as drafters_lib
+from jaxspec.decoding.engine import RolloutStats
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.metrics import StageTimer
+from jaxspec.rl.cluster import Cluster
+from jaxspec.rl.state import RunState
+
+__all__ = ["RolloutBatch", "RolloutWorker", "abstract_batch", "encode_prompts", "make_drafter"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """One step's rollouts as the generation side hands them to training (a queue entry)."""
+
+    prompts: Any  # [B, P] int32 right-padded prompt tokens (each prompt repeated G times)
+    prompt_lengths: Any  # [B] int32
+    tokens: Any  # [B, N] int32 generated tokens, right-padded
+    lengths: Any  # [B] int32
+    gen_logprobs: Any  # [B, N] float32 log-probs the generator reported
+    rewards: Any  # [B] float32
+    version: Any  # [] int32 policy version (updates applied) that generated it
+    step: Any  # [] int32 the step it was generated for (data position = step * prompts)
+    stats: RolloutStats  # the generation's speculation counters
+    plain_time_s: Any  # [] float32 plain generation of the same batch, NaN if not compared
+    replay_identical: Any  # [] float32 fraction of rows equal to plain decoding, NaN if not
+
+    def host(self) -> RolloutBatch:
+        return jax.tree.map(np.asarray, self)
+
+
+def abstract_batch(batch: int, prompt_len: int, new: int, depth: int) -> RolloutBatch:
+    """The shapes of a RolloutBatch (a checkpoint restore target for the queue)."""
+    s = jax.ShapeDtypeStruct
+    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    stats = RolloutStats(target_forwards=s((), i32), draft_forwards=s((), i32),
+                         row_steps=s((batch,), i32), tokens_generated=s((batch,), i32),
+                         accepted_at=s((depth,), i32), proposed_at=s((depth,), i32),
+                         wall_time_s=s((), f32))
+    return RolloutBatch(prompts=s((batch, prompt_len), i32), prompt_lengths=s((batch,), i32),
+                        tokens=s((batch, new), i32), lengths=s((batch,), i32),
+                        gen_logprobs=s((batch, new), f32), rewards=s((batch,), f32),
+                        version=s((), i32), step=s((), i32), stats=stats,
+                        plain_time_s=s((), f32), replay_identical=s((), f32))
+
+
+def encode_prompts(tokenizer, texts: Sequence[str], prompt_len: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded prompt tokens (BOS first), [len(texts), prompt_len] int32, and their
+    lengths, [len(texts)] int32."""
+    out = np.full((len(texts), prompt_len), tokenizer.pad_id, np.int32)
+    lengths = np.zeros((len(texts),), np.int32)
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(text, bos=True)
+        if len(ids) > prompt_len:
+            raise ValueError(f"prompt {text[:40]!r} has {len(ids)} tokens; "
+                             f"rollout.max_prompt_len is {prompt_len}")
+        out[i, :len(ids)] = ids
+        lengths[i] = len(ids)
+    return out, lengths
+
+
+def make_drafter(draft_cfg, tree, head=None, draft_model=None):
+    """The drafter of `draft.kind` over the given (generation-side) head or draft model;
+    None for plain decoding."""
+    d = draft_cfg
+    if d.kind == "eagle3":
+        return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree)
+    if d.kind == "draft_model":
+        return drafters_lib.DraftModelDrafter(draft_model, k=d.k)
+    if d.kind == "ngram":
+        return drafters_lib.NGramDrafter(k=d.k, min_n=d.ngram.min_n, max_n=d.ngram.max_n)
+    return None
+
+
+class RolloutWorker:
+    """Makes the RolloutBatch of a step from the current training-side models."""
+
+    def __init__(self, cfg, plan, cluster: Cluster, sampling: SamplingConfig):
+        self.cfg, self.plan, self.cluster, self.sampling = cfg, plan, cluster, sampling
+        self.task, self.tokenizer = plan.task, plan.tokenizer
+        r = cfg.rollout
+        self.batch_size = r.prompts_per_step * r.group_size
+        self._compiled = False
+
+    def sync_weights(self, policy, head=None, draft_model=None):
+        """The setup stage: (policy, drafter) on the generation devices, for `generate`."""
+        policy, head, draft_model = self.cluster.sync_weights(policy, head, draft_model)
+        return policy, make_drafter(self.cfg.draft, self.plan.tree, head, draft_model)
+
+    def prompts(self, step: int):
+        """The examples of `step` and their prompts, each repeated group_size times."""
+        n, g = self.cfg.rollout.prompts_per_step, self.cfg.rollout.group_size
+        examples = self.task.batch(step * n, n)
+        prompts, lengths = encode_prompts(self.tokenizer, [ex.prompt for ex in examples],
+                                          self.cfg.rollout.max_prompt_len)
+        return examples, np.repeat(prompts, g, axis=0), np.repeat(lengths, g, axis=0)
+
+    def generate(self, policy, drafter, key, step: int, prompts, lengths):
+        """The rollouts of `step`: rollout ids step*B .. step*B + B-1, key fold_in(key, step)."""
+        r = self.cfg.rollout
+        rows = np.arange(self.batch_size, dtype=np.int32) + step * self.batch_size
+        return self.cluster.generate(
+            policy, (prompts, lengths), drafter=drafter, rows=rows,
+            key=jax.random.fold_in(key, step), sampling=self.sampling,
+            max_new_tokens=r.max_new_tokens, stop_tokens=(self.tokenizer.eos_id,),
+            method=r.method, pad_id=self.tokenizer.pad_id)
+
+    def rewards(self, examples, tokens, lengths) -> np.ndarray:  # [B] float32
+        g = self.cfg.rollout.group_size
+        out = np.zeros((len(lengths),), np.float32)
+        for i in range(len(lengths)):
+            completion = self.tokenizer.decode(tokens[i, :lengths[i]])
+            out[i] = self.task.reward(examples[i // g], completion)
+        return out
+
+    def produce(self, state: RunState, step: int, timer: StageTimer,
+                compare: bool) -> RolloutBatch:
+        """Data, setup, generation and reward of the batch of `step`, generated by the
+        state's current models (policy version `state.completed`)."""
+        with timer.stage("data"):
+            examples, prompts, lengths = self.prompts(step)
+        with timer.stage("setup") as s:
+            policy, drafter = s.ready(self.sync_weights(*state.models))
+        with timer.stage("generation") as s:
+            out = s.ready(self.generate(policy, drafter, state.key, step, prompts, lengths))
+        plain_time, identical = math.nan, math.nan
+        if compare and drafter is not None:
+            plain = self.generate(policy, None, state.key, step, prompts, lengths)
+            plain_time = float(plain.stats.wall_time_s)
+            identical = float(np.mean(np.all(
+                (np.asarray(plain.tokens) == np.asarray(out.tokens)), axis=1)
+                & (np.asarray(plain.lengths) == np.asarray(out.lengths))))
+        with timer.stage("reward"):
+            tokens, gen_lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+            rewards = self.rewards(examples, tokens, gen_lengths)
+        return RolloutBatch(
+            prompts=prompts, prompt_lengths=lengths, tokens=tokens, lengths=gen_lengths,
+            gen_logprobs=np.asarray(out.logprobs), rewards=rewards,
+            version=np.int32(state.completed), step=np.int32(step), stats=out.stats,
+            plain_time_s=np.float32(plain_time), replay_identical=np.float32(identical)).host()
+
+    def compile(self, state: RunState) -> None:
+        """Compile speculative (and, when compared, plain) generation on the real shapes, so
+        step times and the speculative/plain ratio measure steady-state decoding."""
+        if self._compiled:
+            return
+        _, prompts, lengths = self.prompts(state.completed)
+        policy, drafter = self.sync_weights(*state.models)
+        self.generate(policy, drafter, state.key, 0, prompts, lengths)
+        if drafter is not None and self.cfg.run.compare_plain:
+            self.generate(policy, None, state.key, 0, prompts, lengths)
+        self._compiled = True

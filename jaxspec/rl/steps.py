@@ -1,0 +1,170 @@
+"""The jitted steps of a GRPO step, as pure functions of their inputs: the logprob stage
+(`score_rollouts`), the GRPO policy update and the EAGLE-3 draft update, and the one
+optimizer factory they (and the supervised warm-up) take as a static argument."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxspec.decoding.sampling import SamplingConfig, process_logits
+from jaxspec.models import Policy
+from jaxspec.rl.draft import draft_train_step
+from jaxspec.rl.grpo import grpo_loss
+
+__all__ = [
+    "POLICY_INPUTS",
+    "draft_update",
+    "make_optimizer",
+    "policy_update",
+    "sampling_of",
+    "score_rollouts",
+]
+
+
+@functools.cache
+def make_optimizer(spec) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and (its own) global-norm clip, from a hashable spec with
+    lr, b1, b2, eps, weight_decay, warmup_steps and clip_norm (None: no clip), e.g. the
+    config's `optim` / `draft_optim`. One object per spec, so the jitted updates that take
+    it as a static argument compile once per process."""
+    lr = spec.lr if spec.warmup_steps == 0 else optax.linear_schedule(
+        0.0, spec.lr, spec.warmup_steps)
+    adamw = optax.adamw(lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, weight_decay=spec.weight_decay)
+    if spec.clip_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(spec.clip_norm), adamw)
+
+
+def sampling_of(spec) -> tuple[SamplingConfig, bool]:
+    """The rollout distribution of the config's `sampling` section, and whether top-k or
+    top-p filters it (the static `filtered` of the jitted steps)."""
+    return (SamplingConfig(spec.temperature, spec.top_k, spec.top_p),
+            spec.top_k > 0 or spec.top_p < 1.0)
+
+
+def _token_logprobs(logits, tokens, sampling, filtered: bool):
+    """log p(token t+1) under the processed sampling distribution (what the generator
+    reports), and that distribution's entropy, at every position t: [B,T,V], [B,T] -> [B,T] x2.
+
+    Differentiable in the logits: temperature scaling, then (when `filtered`, i.e. top-k or
+    top-p is on) the kept set of `process_logits` as a constant mask."""
+    x = logits.astype(jnp.float32)
+    temperature = jnp.asarray(sampling.temperature, jnp.float32)
+    z = (x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))) / jnp.where(
+        temperature > 0, temperature, 1.0)
+    if filtered:
+        kept = jnp.isfinite(jax.lax.stop_gradient(process_logits(x, sampling)))
+        z = jnp.where(kept, z, -jnp.inf)
+    logp = jax.nn.log_softmax(z, axis=-1)
+    nxt = jnp.roll(tokens, -1, axis=1)
+    lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    return lp, entropy
+
+
+@functools.partial(jax.jit, static_argnames=("capture", "filtered"))
+def score_rollouts(
+    policy: Policy,
+    ref_params,  # the reference policy's params, or None (no KL)
+    prompts,  # [B, P] int32 right-padded
+    prompt_lengths,  # [B] int32
+    tokens,  # [B, N] int32 generated, right-padded
+    lengths,  # [B] int32
+    gen_logprobs,  # [B, N] float32
+    sampling: SamplingConfig,
+    *,
+    capture: tuple[int, ...] = (),
+    filtered: bool = False,
+) -> dict[str, jax.Array]:
+    """The logprob stage: pack prompt + rollout into [B, T = P + N] sequences (right-padded,
+    positions -1 on padding) and run the policy (and reference) over them.
+
+    Values at position t are about token t+1 ("next-token" layout): logprobs, entropy,
+    ref_logprobs, gen_logprobs, mask (t+1 is a rollout token). Draft supervision:
+    features [B,T,3H] (captured layers), target_logits [B,T,V] (raw), response [B,T]
+    (token t is a rollout token)."""
+    p = prompts.shape[1]
+    n = tokens.shape[1]
+    idx = jnp.arange(p + n, dtype=jnp.int32)[None, :]
+    off = idx - prompt_lengths[:, None]  # offset into the rollout
+    in_prompt = idx < prompt_lengths[:, None]
+    response = (off >= 0) & (off < lengths[:, None])
+    prompt_wide = jnp.pad(prompts, ((0, 0), (0, n)))
+    rollout_tok = jnp.take_along_axis(tokens, jnp.clip(off, 0, n - 1), axis=1)
+    seq = jnp.where(in_prompt, prompt_wide, jnp.where(response, rollout_tok, 0))
+    positions = jnp.where(in_prompt | response, idx, -1)
+    mask = jnp.roll(response, -1, axis=1).at[:, -1].set(False)
+    gen_lp = jnp.where(mask, jnp.take_along_axis(gen_logprobs, jnp.clip(off + 1, 0, n - 1), axis=1), 0.0)
+
+    logits, captured, _ = policy.forward(seq, positions, capture=capture)
+    lp, entropy = _token_logprobs(logits, seq, sampling, filtered)
+    out = {"tokens": seq, "positions": positions, "mask": mask, "response": response,
+           "logprobs": jnp.where(mask, lp, 0.0), "entropy": entropy, "gen_logprobs": gen_lp}
+    if ref_params is not None:
+        ref_logits, _, _ = policy.replace(params=ref_params).forward(seq, positions)
+        out["ref_logprobs"] = jnp.where(mask, _token_logprobs(ref_logits, seq, sampling, filtered)[0], 0.0)
+    if capture:
+        out["features"] = jnp.concatenate([captured[i] for i in capture], axis=-1)
+        out["target_logits"] = logits
+    return out
+
+
+POLICY_INPUTS = ("tokens", "positions", "mask", "logprobs", "gen_logprobs", "entropy",
+                 "ref_logprobs")  # what the policy update reads of the logprob stage
+_MIN_KEYS = ("ratio_min",)
+_MAX_KEYS = ("ratio_max", "logprob_mismatch_max")
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer", "grpo_cfg", "minibatches", "filtered"))
+def policy_update(
+    policy: Policy,
+    opt_state,
+    scored: dict,  # the POLICY_INPUTS of score_rollouts' output, each [B, T]
+    advantages,  # [B] float32
+    sampling: SamplingConfig,
+    *,
+    optimizer: optax.GradientTransformation,
+    grpo_cfg,
+    minibatches: int,
+    filtered: bool,
+):
+    """GRPO updates of the policy over `minibatches` disjoint slices of the batch (a scan);
+    metrics are averaged over them (min / max for the ratio extremes)."""
+    data = dict(scored, advantages=advantages)
+    data = jax.tree.map(lambda x: x.reshape((minibatches, -1) + x.shape[1:]), data)
+
+    def loss_fn(params, mb):
+        logits, _, _ = policy.replace(params=params).forward(mb["tokens"], mb["positions"])
+        lp, _ = _token_logprobs(logits, mb["tokens"], sampling, filtered)
+        return grpo_loss(lp, mb["logprobs"], mb.get("ref_logprobs"), mb["advantages"],
+                         mb["mask"], grpo_cfg, gen_logprobs=mb["gen_logprobs"],
+                         entropy=mb["entropy"])
+
+    def body(carry, mb):
+        params, opt_state = carry
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), metrics
+
+    (params, opt_state), metrics = jax.lax.scan(body, (policy.params, opt_state), data)
+    out = {}
+    for k, v in metrics.items():
+        out[k] = v.min() if k in _MIN_KEYS else v.max() if k in _MAX_KEYS else v.mean()
+    return policy.replace(params=params), opt_state, out
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer", "loss_cfg"))
+def draft_update(head, opt_state, policy: Policy, scored: dict, *, optimizer, loss_cfg):
+    """One TTT update of the EAGLE-3 head on the logprob stage's (stop-gradient) features:
+    `scored` is score_rollouts' output with capture on; `policy` gives the frozen embedding.
+    Returns (head, opt_state, metrics)."""
+    return draft_train_step(head, opt_state, optimizer, policy.embed, scored["features"],
+                            scored["tokens"], scored["target_logits"], scored["response"],
+                            loss_cfg)
+
