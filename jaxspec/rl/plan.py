@@ -1,0 +1,266 @@
+"""The run plan: everything a run's inputs can get wrong, settled on the host before anything
+compiles — the task and its data, the tokenizer, the policy and draft architectures against
+each other and the cache, sampling settings, the device split and meshes, and the checkpoint
+to resume from. Values the config schema already checks are not checked again here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jaxspec import parallel
+from jaxspec.checkpoint import CheckpointManager
+from jaxspec.config import Config, ConfigError, draft_headroom
+from jaxspec.decoding import drafters as drafters_lib
+from jaxspec.kernels import resolve_backend
+from jaxspec.models import ModelConfig
+from jaxspec.rl import tasks as tasks_lib
+
+__all__ = ["HFTokenizer", "RunPlan", "prepare_run"]
+
+
+
+class HFTokenizer:
+    """The `CharTokenizer` interface over a local `transformers` tokenizer (no downloads)."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {path} has no EOS token (rollouts need one to stop)")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self._tok.pad_token_id
+        return self._tok.eos_token_id if pad is None else pad
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._tok.bos_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._tok.eos_token_id
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False)
+        if bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[:ids.index(self.eos_id)]
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What `prepare_run` settles on the host before anything is compiled."""
+
+    task: tasks_lib.Task
+    tokenizer: Any  # CharTokenizer or HFTokenizer
+    model_config: ModelConfig
+    draft_model_config: ModelConfig | None  # kind draft_model built from draft.model
+    tree: drafters_lib.TreeSpec | None
+    generation_devices: tuple
+    training_devices: tuple
+    resume_step: int | None  # the checkpoint a resumed run restarts from
+
+
+def _read_json(path: str, key: str) -> dict:
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            return json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(key, path, f"cannot read config.json ({e})",
+                          "a local HF directory with a valid config.json") from None
+
+
+def _tiny_model_config(spec, vocab: int) -> ModelConfig:
+    return spec.model_config(vocab)  # the schema built and checked the same ModelConfig
+
+
+def _checkpoint_dir(cfg: Config) -> str:
+    return os.path.join(cfg.run.dir, "checkpoints")
+
+
+def _saved_steps(directory: str) -> list[int]:
+    if not os.path.isdir(directory):
+        return []
+    return CheckpointManager(directory, create=False).all_steps()
+
+
+def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
+    """Every check a user's input can fail, on the host, before any compilation: the task
+    and its data, the tokenizer, prompt lengths against the cache, the draft against the
+    policy, the device split, and the checkpoint to resume from. Raises one ConfigError."""
+    d, r = cfg.draft, cfg.rollout
+    if d.kind == "mtp":
+        raise ConfigError("draft.kind", "mtp", "the GRPO trainer has no MTP training loss",
+                          "'eagle3', 'draft_model', 'ngram' or 'none'")
+    try:  # sampling settings: SamplingConfig checks them (its arrays need the devices)
+        cfg.sampling.sampling_config()
+    except ConfigError as e:
+        raise e.under("sampling") from None
+    try:  # a named attention kernel this platform cannot run
+        resolve_backend(cfg.model.attention_backend)
+    except ValueError as e:
+        raise ConfigError("model.attention_backend", cfg.model.attention_backend, str(e),
+                          "'auto', or 'reference'/'pallas' off CUDA") from None
+    # The task and its data.
+    try:
+        task = tasks_lib.make_task(cfg.task.name, seed=cfg.run.seed, path=cfg.task.path,
+                                   **cfg.task.params)
+    except (tasks_lib.DatasetError, FileNotFoundError) as e:
+        raise ConfigError("task.path", cfg.task.path, str(e),
+                          "a JSONL file of {\"prompt\", \"answer\"} lines") from None
+    # The policy's architecture and the tokenizer.
+    if cfg.model.hf_path is not None:
+        from jaxspec.models.hf import config_from_hf
+
+        hf = _read_json(cfg.model.hf_path, "model.hf_path")
+        try:
+            model_config = config_from_hf(hf, dtype=cfg.model.dtype,
+                                          attention_backend=cfg.model.attention_backend)
+        except ValueError as e:
+            raise ConfigError("model.hf_path", cfg.model.hf_path, str(e)) from None
+    else:
+        model_config = None
+    tokenizer = task.tokenizer
+    if tokenizer is None:
+        try:
+            tokenizer = HFTokenizer(cfg.model.hf_path)
+        except (OSError, ValueError) as e:
+            raise ConfigError("model.hf_path", cfg.model.hf_path, f"no usable tokenizer ({e})",
+                              "a HF directory with tokenizer files") from None
+    if model_config is None:
+        model_config = _tiny_model_config(cfg.model, cfg.model.vocab_size or tokenizer.vocab_size)
+    vocab = model_config.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError("model.vocab_size", vocab,
+                          f"smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
+                          f">= {tokenizer.vocab_size}")
+    # Prompt + rollout + draft headroom must fit the policy's cache.
+    room = model_config.max_position_embeddings - r.max_new_tokens - draft_headroom(d)
+    if r.max_prompt_len > room:
+        raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
+                          f"prompt + max_new_tokens {r.max_new_tokens} + draft headroom "
+                          f"{draft_headroom(d)} exceeds the policy's cache "
+                          f"(max_position_embeddings {model_config.max_position_embeddings})",
+                          f"<= {room}")
+    if isinstance(task, tasks_lib.JsonlTask):
+        prompts = [(i, ex.prompt) for i, ex in enumerate(task.examples)]
+    else:
+        prompts = [(i, ex.prompt) for i, ex in enumerate(task.batch(0, r.prompts_per_step))]
+    for i, text in prompts:
+        n = len(tokenizer.encode(text, bos=True))
+        if n > r.max_prompt_len:
+            raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
+                              f"prompt {i} ({text[:40]!r}...) has {n} tokens: longer than the "
+                              f"prompt cache allows", f">= {n} (and within the policy's cache)")
+    # The draft against the policy.
+    if d.layers is not None:
+        bad = [x for x in d.layers if not 0 <= x < model_config.num_layers]
+        if bad:
+            raise ConfigError("draft.layers", list(d.layers), "layer out of range",
+                              f"three layer indices in [0, {model_config.num_layers - 1}]")
+    tree = d.tree  # the config's tree is the library's TreeSpec, checked when loaded
+    if d.draft_vocab_size is not None and d.draft_vocab_size > vocab:
+        raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
+                          f"larger than the policy's vocabulary ({vocab})", f"<= {vocab}")
+    if d.kind == "eagle3" and d.hf_path is not None:
+        hf = _read_json(d.hf_path, "draft.hf_path")
+        if "draft_vocab_size" not in hf:
+            raise ConfigError("draft.hf_path", d.hf_path, "config.json has no draft_vocab_size: "
+                              "not an EAGLE-3 head", "an EAGLE-3 head directory")
+        head_vocab = hf.get("vocab_size")
+        if head_vocab != vocab:
+            raise ConfigError("draft.hf_path", d.hf_path,
+                              f"the head's vocabulary ({head_vocab} target ids) does not match "
+                              f"the policy's ({vocab})", "a head trained for this policy")
+        target_h = hf.get("target_hidden_size") or hf.get("hidden_size")
+        if target_h != model_config.hidden_size or hf.get("hidden_size") != model_config.hidden_size:
+            raise ConfigError("draft.hf_path", d.hf_path,
+                              f"the head's hidden size {hf.get('hidden_size')} (target "
+                              f"{target_h}) does not match the policy's "
+                              f"{model_config.hidden_size}", "a head trained for this policy")
+        if d.draft_vocab_size is not None and d.draft_vocab_size != hf["draft_vocab_size"]:
+            raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
+                              f"the head in draft.hf_path has {hf['draft_vocab_size']}",
+                              f"null or {hf['draft_vocab_size']}")
+    draft_model_config = None
+    if d.kind == "draft_model":
+        if d.hf_path is not None:
+            hf = _read_json(d.hf_path, "draft.hf_path")
+            if hf.get("vocab_size") != vocab:
+                raise ConfigError("draft.hf_path", d.hf_path,
+                                  f"the draft model's vocabulary ({hf.get('vocab_size')}) does "
+                                  f"not match the policy's ({vocab})",
+                                  "a draft model with the policy's tokenizer")
+        else:
+            draft_model_config = _tiny_model_config(d.model, vocab)
+    # Devices.
+    devices = tuple(jax.devices() if devices is None else devices)
+    batch = r.prompts_per_step * r.group_size
+    a = cfg.async_
+    if a.enabled:
+        n_gen = a.generation_devices or max(len(devices) // 2, 1)
+        n_train = a.training_devices or len(devices) - n_gen
+        try:
+            gen, train = map(tuple, parallel.split_devices(n_gen, n_train, devices))
+        except ValueError as e:
+            raise ConfigError("async.training_devices", a.training_devices, str(e),
+                              f"generation_devices + training_devices <= {len(devices)}, "
+                              f"each >= 1") from None
+    else:
+        gen = train = devices
+    meshes = {}
+    for key, group, data in (("generation", gen, -1), ("training", train, cfg.mesh.data)):
+        try:
+            meshes[key] = parallel.make_mesh(data, cfg.mesh.fsdp, cfg.mesh.tensor, list(group))
+        except ValueError as e:
+            raise ConfigError("mesh", {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp,
+                                       "tensor": cfg.mesh.tensor},
+                              f"{e} (the {key} group has {len(group)} devices)") from None
+        rules = parallel.resolve_rules(cfg.mesh.rules)
+        vocab_shards = math.prod(meshes[key].shape[ax] for ax in rules["vocab"] or ())
+        if vocab % vocab_shards:
+            raise ConfigError("mesh.tensor", cfg.mesh.tensor,
+                              f"the policy's vocabulary ({vocab}) does not split into the "
+                              f"{vocab_shards} shards of mesh.rules.vocab on the {key} devices",
+                              f"sizes whose product divides {vocab}, or mesh.rules.vocab=null")
+        shards = meshes[key].shape["data"] * meshes[key].shape["fsdp"]
+        if batch % shards:
+            raise ConfigError("rollout.prompts_per_step", r.prompts_per_step,
+                              f"the {batch} rollouts of a step do not split over the {shards} "
+                              f"batch shards of the {key} devices",
+                              f"prompts_per_step x group_size divisible by {shards}")
+    # Checkpoints.
+    ckpt = _checkpoint_dir(cfg)
+    steps = _saved_steps(ckpt)
+    if cfg.run.resume and not steps:
+        raise ConfigError("run.resume", True, f"no checkpoint to resume from in {ckpt!r}",
+                          "run.resume=false to start a new run, or run.dir=<a run that saved "
+                          "checkpoints>")
+    if not cfg.run.resume and steps:
+        raise ConfigError("run.dir", cfg.run.dir,
+                          f"already holds checkpoints of a run (latest step {steps[-1]})",
+                          "run.resume=true to continue it, or a new run.dir")
+    return RunPlan(task=task, tokenizer=tokenizer, model_config=model_config,
+                   draft_model_config=draft_model_config, tree=tree, generation_devices=gen,
+                   training_devices=train, resume_step=steps[-1] if cfg.run.resume else None)
+
+
