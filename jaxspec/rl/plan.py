@@ -157,10 +157,11 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     room = model_config.max_position_embeddings - r.max_new_tokens - draft_headroom(d)
     if r.max_prompt_len > room:
         raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
-                          f"prompt + max_new_tokens {r.max_new_tokens} + draft headroom "
-                          f"{draft_headroom(d)} exceeds the policy's cache "
-                          f"(max_position_embeddings {model_config.max_position_embeddings})",
-                          f"<= {room}")
+                          f"a prompt of {r.max_prompt_len} tokens + max_new_tokens "
+                          f"{r.max_new_tokens} + draft headroom {draft_headroom(d)} does not fit "
+                          f"the cache (max_position_embeddings = "
+                          f"{model_config.max_position_embeddings})",
+                          f"<= {room}, or a larger model.max_position_embeddings")
     if isinstance(task, tasks_lib.JsonlTask):
         prompts = [(i, ex.prompt) for i, ex in enumerate(task.examples)]
     else:
