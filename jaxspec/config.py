@@ -701,7 +701,13 @@ class Config(_Section):
                               f"null or {vocab}")
         if vocab is not None and vocab % self.mesh.shards("vocab"):
             n = self.mesh.shards("vocab")
-            raise ConfigError("mesh.tensor", self.mesh.tensor,
+            axes = self.mesh.rules["vocab"]
+            if "tensor" in ((axes,) if isinstance(axes, str) else axes):
+                raise ConfigError("mesh.tensor", self.mesh.tensor,
+                                  f"the policy's vocabulary ({vocab}) does not split into {n} "
+                                  f"shards (mesh.rules.vocab = {axes!r})",
+                                  f"sizes whose product divides {vocab}, or mesh.rules.vocab=null")
+            raise ConfigError("mesh.rules.vocab", axes,
                               f"the policy's vocabulary ({vocab}) does not split into {n} "
                               f"shards (mesh.rules.vocab = {self.mesh.rules['vocab']!r})",
                               f"sizes whose product divides {vocab}, or mesh.rules.vocab=null")

@@ -248,12 +248,16 @@ def test_triton_without_cuda_is_refused_before_compiling():
     assert e.key == "model.attention_backend" and "needs a CUDA GPU" in str(e)
 
 
-def test_mesh_tensor_against_an_hf_vocabulary_is_checked_in_prepare_run(tmp_path):
-    # The vocabulary is not known when loading; prepare_run checks it before compiling.
-    cfg = load_config(TINY, ["model.vocab_size=25", "mesh.tensor=1"])
-    assert cfg.mesh.shards("vocab") == 1
-    e = _error(["model.vocab_size=26", "mesh.tensor=4"])
+def test_vocabulary_split_is_checked_at_load_or_in_prepare_run():
+    e = _error(["model.vocab_size=26", "mesh.tensor=4"])  # known when loading
     assert e.key == "mesh.tensor" and "(26)" in str(e)
+    assert load_config(TINY, ["model.vocab_size=28", "mesh.tensor=4"]).mesh.shards("vocab") == 4
+    e = _error(["mesh.rules.vocab=fsdp", "mesh.fsdp=2"])
+    assert e.key == "mesh.rules.vocab" and "(25)" in str(e)
+    # data = -1 is only known with the devices (8 here): prepare_run checks, before compiling
+    load_config(TINY, ["mesh.rules.vocab=data"])
+    e = _error(["mesh.rules.vocab=data"])
+    assert e.key == "mesh.rules.vocab" and "vocabulary (25)" in str(e)
 
 
 def test_each_key_has_one_default_the_librarys():

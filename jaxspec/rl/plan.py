@@ -239,7 +239,8 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
         rules = parallel.resolve_rules(cfg.mesh.rules)
         vocab_shards = math.prod(meshes[key].shape[ax] for ax in rules["vocab"] or ())
         if vocab % vocab_shards:
-            raise ConfigError("mesh.tensor", cfg.mesh.tensor,
+            name = "tensor" if "tensor" in rules["vocab"] else "rules.vocab"
+            raise ConfigError(f"mesh.{name}", getattr(cfg.mesh, name, cfg.mesh.rules["vocab"]),
                               f"the policy's vocabulary ({vocab}) does not split into the "
                               f"{vocab_shards} shards of mesh.rules.vocab on the {key} devices",
                               f"sizes whose product divides {vocab}, or mesh.rules.vocab=null")
