@@ -1,15 +1,39 @@
-"""Typed run configuration: nested frozen dataclasses, YAML files and `a.b=c` overrides.
+"""Run configuration: the library's own frozen dataclasses as the schema, read from YAML
+files and `a.b=c` overrides.
 
-The dataclass defaults *are* the embedded tiny run (configs/tiny.yaml writes them out in
-full). Every section checks its own values when it is built, so a bad value fails with one
-`ConfigError` naming the dotted key, the value and what is valid — before anything compiles.
+A key has one default and one check, in one place. Where the library defines a setting, the
+section is the library's class or derived from it: `grpo` is `rl.grpo.GRPOConfig`,
+`draft.tree` is `decoding.drafters.TreeSpec`; `model` holds `models.config.ModelConfig`'s
+fields (defaults: its tiny preset with 4 layers and a 256-slot cache) and is checked by
+building one; `draft.ngram` takes defaults and checks from `NGramDrafter`; `sampling` takes
+its defaults from `decoding.sampling.SamplingConfig`, which checks the values in
+`rl.plan.prepare_run` (building one puts arrays on a device, which must wait for
+`parallel.initialize_distributed`); `mesh` takes axes, sizes and rules from `parallel`
+(`make_mesh`'s defaults, `DEFAULT_RULES`, `check_mesh_sizes`, `resolve_rules`). The
+trainer-only sections (rollout, optim, warmup, task, run, async) are defined here.
+
+A library class raises ValueError naming its field (`TreeSpec.budget ...`); the loader turns
+it into one `ConfigError` with the full dotted key, the value and what is valid. Every float
+must be finite. YAML is read with YAML 1.2 floats, so `1e-5` is a number.
+
+Why a small loader over dataclasses rather than pydantic: the schema has to be the library's
+plain frozen dataclasses (hashable static jit arguments, usable with no config layer);
+pydantic would need a second model per class, the duplication this module removes, or
+pydantic types inside the library. The loader below (coercion, dotted keys, "did you mean")
+is about 250 lines. Library classes are imported on first use, so `import jaxspec.config`
+imports neither jax nor the trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib
+import inspect
+import math
 import os
+import re
 import types
 import typing
 from typing import Any, Callable, Literal, Optional
@@ -58,6 +82,54 @@ class ConfigError(ValueError):
         return ConfigError(key, self.value, self.problem, self.valid)
 
 
+# ----------------------------------------------------------------------------- library types
+
+# Schema types the library defines, imported on first use (they import jax).
+_LIBRARY = {
+    "GRPOConfig": "jaxspec.rl.grpo",
+    "Llama3RopeScaling": "jaxspec.models.config",
+    "ModelConfig": "jaxspec.models.config",
+    "NGramDrafter": "jaxspec.decoding.drafters",
+    "SamplingConfig": "jaxspec.decoding.sampling",
+    "TreeSpec": "jaxspec.decoding.drafters",
+}
+
+
+def _lib(name: str):
+    return getattr(importlib.import_module(_LIBRARY[name]), name)
+
+
+def __getattr__(name: str):  # `jaxspec.config.TreeSpec` is the library's class itself
+    if name in _LIBRARY:
+        return _lib(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _parallel():
+    return importlib.import_module("jaxspec.parallel")
+
+
+# ----------------------------------------------------------------------------- YAML
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: `1e-5`, `1E+3`, `.5`, `.inf`, `-.inf`, `.nan`
+    (YAML 1.1 wants a dot in the mantissa and reads `1e-5` as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _yaml_load(stream):
+    return yaml.load(stream, Loader=_Loader)
+
+
+# ----------------------------------------------------------------------------- fields
+
 _MISSING = dataclasses.MISSING
 
 
@@ -86,6 +158,14 @@ def _in_unit(lo_open: bool, hi_open: bool):
                 valid=f"a number in {text}")
 
 
+def _library_default(cls_name: str, name: str):
+    """The default of field `name` of library class `cls_name`: a lazy factory."""
+    def default():
+        f = {f.name: f for f in dataclasses.fields(_lib(cls_name))}[name]
+        return f.default if f.default_factory is _MISSING else f.default_factory()
+    return dataclasses.field(default_factory=default)
+
+
 # ----------------------------------------------------------------------------- schema core
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -93,7 +173,7 @@ _HINTS: dict[type, dict[str, Any]] = {}
 
 def _hints(cls) -> dict[str, Any]:
     if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
+        _HINTS[cls] = typing.get_type_hints(cls, localns={n: _lib(n) for n in _LIBRARY})
     return _HINTS[cls]
 
 
@@ -117,8 +197,8 @@ def _describe(hint) -> str:
         return "a mapping"
     if dataclasses.is_dataclass(hint):
         return f"a mapping with keys {', '.join(_yaml_key(f) for f in dataclasses.fields(hint))}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        hint, getattr(hint, "__name__", str(hint)))
+    return {bool: "true or false", int: "an integer", float: "a finite number",
+            str: "a string"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 class _Bad(Exception):
@@ -156,7 +236,8 @@ def _coerce(hint, value):
             return value
         raise _Bad
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                math.isfinite(value):
             return float(value)
         raise _Bad
     if hint is str:
@@ -185,35 +266,75 @@ def _coerce(hint, value):
     raise TypeError(f"unsupported schema type {hint!r}")
 
 
+def _checked(cls, f: dataclasses.Field, value):
+    """Field `f` of `cls` coerced to its type and checked, or one ConfigError (key relative)."""
+    hint = _hints(cls)[f.name]
+    key = _yaml_key(f)
+    try:
+        value = _coerce(hint, value)
+    except _Bad:
+        problem = "wrong type"
+        if (isinstance(value, float) and not math.isfinite(value)) or (
+                isinstance(value, str) and value.strip().lstrip("+-.").lower() in ("inf", "nan")):
+            problem = "not a finite number"
+        if typing.get_origin(hint) is Literal:
+            choices = [str(a) for a in typing.get_args(hint)]
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            problem = "not a valid choice" + (f" (did you mean '{close[0]}'?)" if close else "")
+        raise ConfigError(key, value, problem, _describe(hint)) from None
+    except ConfigError as e:
+        raise e.under(key) from None
+    check = f.metadata.get("check")
+    if check is not None and value is not None and not check(value):
+        raise ConfigError(key, value, "out of range", f.metadata.get("valid"))
+    return value
+
+
+def _library_error(obj_or_cls, values: dict, error: Exception) -> ConfigError:
+    """A library class's ValueError as a ConfigError on the field its message is about
+    (`TreeSpec.budget ...`; else a field it names, preferring one not at its default)."""
+    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    text = str(error)
+    subject = [m.group(1) for m in re.finditer(r"\b[A-Za-z_]\w*\.(\w+)", text)
+               if m.group(1) in fields]
+    named = [n for n in fields if re.search(rf"\b{n}\b", text)]
+
+    def changed(n):
+        f = fields[n]
+        default = f.default if f.default_factory is _MISSING else f.default_factory()
+        return n in values and values[n] != default
+
+    pick = subject[0] if subject else next((n for n in named if changed(n)),
+                                           named[0] if named else None)
+    if pick is None:
+        return ConfigError("", values, text)
+    value = values.get(pick, getattr(obj_or_cls, pick, None))
+    prefix = f"{cls.__name__}.{pick}={value!r}"
+    problem = text[len(prefix):].lstrip(" :;,") if text.startswith(prefix) else text
+    return ConfigError(_yaml_key(fields[pick]), value, problem or text)
+
+
 class _Section:
-    """Base of every config section: coerces and checks each field on construction."""
+    """Base of the config's own sections: coerces and checks each field on construction."""
 
     def __post_init__(self):
-        hints = _hints(type(self))
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            key = _yaml_key(f)
-            try:
-                value = _coerce(hints[f.name], value)
-            except _Bad:
-                hint = hints[f.name]
-                problem = "wrong type"
-                if typing.get_origin(hint) is Literal:
-                    choices = [str(a) for a in typing.get_args(hint)]
-                    close = difflib.get_close_matches(str(value), choices, n=1)
-                    problem = "not a valid choice" + (
-                        f" (did you mean '{close[0]}'?)" if close else "")
-                raise ConfigError(key, value, problem, _describe(hint)) from None
-            except ConfigError as e:
-                raise e.under(key) from None
-            check = f.metadata.get("check")
-            if check is not None and value is not None and not check(value):
-                raise ConfigError(key, value, "out of range", f.metadata.get("valid"))
-            object.__setattr__(self, f.name, value)
+            object.__setattr__(self, f.name, _checked(type(self), f, getattr(self, f.name)))
         self._validate()
 
     def _validate(self) -> None:
         """Checks that involve several fields; raise ConfigError(field, ...)."""
+
+    def _library_check(self, build: Callable[[], Any]):
+        """`build()` (which constructs a library object from these fields) or a ConfigError."""
+        try:
+            return build()
+        except (ValueError, TypeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise _library_error(self, {f.name: getattr(self, f.name)
+                                        for f in dataclasses.fields(self)}, e) from None
 
 
 def _section_type(hint):
@@ -250,11 +371,11 @@ def _suggest(cls, bad: str, prefix: str) -> str:
 
 
 def _build(cls, data: Any, prefix: str = ""):
-    """Section `cls` from a plain mapping; errors carry keys relative to the caller."""
+    """Section or library class `cls` from a plain mapping; errors carry keys relative to
+    the caller."""
     if not isinstance(data, dict):
         raise ConfigError("", data, "expected a mapping", _describe(cls))
     by_key = {_yaml_key(f): f for f in dataclasses.fields(cls)}
-    hints = _hints(cls)
     kwargs = {}
     for key, value in data.items():
         if key not in by_key:
@@ -262,77 +383,79 @@ def _build(cls, data: Any, prefix: str = ""):
             raise ConfigError(str(key), value, "unknown key" + (f" ({hint})" if hint else ""),
                               ", ".join(by_key))
         f = by_key[key]
-        target = _section_type(hints[f.name])
+        target = _section_type(_hints(cls)[f.name])
         if target is not None and isinstance(value, dict):
             try:
                 value = _build(target, value, prefix + key + ".")
             except ConfigError as e:
                 raise e.under(key) from None
-        kwargs[f.name] = value
-    return cls(**kwargs)
+        kwargs[f.name] = _checked(cls, f, value)
+    if issubclass(cls, _Section):
+        return cls(**kwargs)
+    try:  # a library class checks itself
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise _library_error(cls, kwargs, e) from None
 
 
 # ----------------------------------------------------------------------------- sections
 
+_TINY_POLICY = dict(family="qwen3", num_layers=4, max_position_embeddings=256)
+
+
+@functools.cache
+def _tiny_policy():
+    """The tiny run's policy: ModelConfig's tiny preset with 4 layers and a 256-slot cache."""
+    return _lib("ModelConfig").tiny(**_TINY_POLICY)
+
+
+def _tiny(name: str):
+    return dataclasses.field(default_factory=lambda: getattr(_tiny_policy(), name))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec(_Section):
     """The policy: a local HF directory (`hf_path`; the architecture fields are then read
-    from its config.json and ignored here) or a tiny transformer built from these fields."""
+    from its config.json and ignored here) or a tiny transformer built from these fields,
+    which are `ModelConfig`'s (defaults from `ModelConfig.tiny`, checks by `ModelConfig`)."""
 
     hf_path: Optional[str] = None
-    family: Literal["qwen3", "llama"] = "qwen3"
-    vocab_size: Optional[int] = _field(None, **_ge(1))  # null: the task tokenizer's vocabulary
-    hidden_size: int = _field(64, **_ge(1))
-    intermediate_size: int = _field(128, **_ge(1))
-    num_layers: int = _field(4, **_ge(1))
-    num_heads: int = _field(4, **_ge(1))
-    num_kv_heads: int = _field(2, **_ge(1))
-    head_dim: int = _field(16, **_ge(1))
-    rope_theta: float = _field(10000.0, **_gt(0))
-    rope_scaling: Optional[dict[str, Any]] = None  # Llama-3 scaling parameters, or null
-    rms_norm_eps: float = _field(1e-6, **_gt(0))
-    qk_norm: bool = True
-    tie_embeddings: bool = True
-    max_position_embeddings: int = _field(256, **_ge(1))
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    attention_backend: Literal["reference", "pallas", "triton"] = "reference"
+    family: str = _tiny("family")
+    vocab_size: Optional[int] = None  # null: the task tokenizer's vocabulary
+    hidden_size: int = _tiny("hidden_size")
+    intermediate_size: int = _tiny("intermediate_size")
+    num_layers: int = _tiny("num_layers")
+    num_heads: int = _tiny("num_heads")
+    num_kv_heads: int = _tiny("num_kv_heads")
+    head_dim: int = _tiny("head_dim")
+    rope_theta: float = _tiny("rope_theta")
+    rope_scaling: Optional[Llama3RopeScaling] = _tiny("rope_scaling")  # noqa: F821 (lazy)
+    rms_norm_eps: float = _tiny("rms_norm_eps")
+    qk_norm: bool = _tiny("qk_norm")
+    tie_embeddings: bool = _tiny("tie_embeddings")
+    max_position_embeddings: int = _tiny("max_position_embeddings")
+    dtype: str = _tiny("dtype")
+    attention_backend: str = _tiny("attention_backend")  # jaxspec.kernels.BACKENDS
+
+    def model_config(self, vocab_size: int):
+        """The `ModelConfig` of these fields with the given vocabulary."""
+        names = [f.name for f in dataclasses.fields(_lib("ModelConfig")) if f.name != "vocab_size"]
+        return _lib("ModelConfig")(vocab_size=vocab_size, **{n: getattr(self, n) for n in names})
 
     def _validate(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError("num_kv_heads", self.num_kv_heads,
-                              f"must divide num_heads = {self.num_heads}",
-                              "a divisor of num_heads")
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSpec(_Section):
-    """Dynamic draft tree (EAGLE-2/3): expand top_k per frontier node for `depth` steps,
-    keep the best `budget` nodes."""
-
-    top_k: int = _field(4, **_ge(1))
-    depth: int = _field(3, **_ge(1))
-    budget: int = _field(8, **_ge(1))
-
-    def _validate(self):
-        if self.budget < self.depth:
-            raise ConfigError("budget", self.budget, f"smaller than depth = {self.depth}",
-                              ">= depth (a tree needs room for one full-depth path)")
+        self._library_check(lambda: self.model_config(
+            self.vocab_size if self.vocab_size is not None else 1))
 
 
 @dataclasses.dataclass(frozen=True)
 class NgramSpec(_Section):
-    """Prompt-lookup drafting: match the last n tokens, min_n <= n <= max_n."""
+    """Prompt-lookup drafting (`NGramDrafter`): match the last n tokens, min_n <= n <= max_n."""
 
-    min_n: int = _field(1, **_ge(1))
-    max_n: int = _field(3, **_ge(1))
+    min_n: int = _library_default("NGramDrafter", "min_n")
+    max_n: int = _library_default("NGramDrafter", "max_n")
 
     def _validate(self):
-        if self.max_n < self.min_n:
-            raise ConfigError("max_n", self.max_n, f"smaller than min_n = {self.min_n}",
-                              ">= min_n")
-
-
-DRAFT_KINDS = ("none", "eagle3", "mtp", "draft_model", "ngram")
+        self._library_check(lambda: _lib("NGramDrafter")(min_n=self.min_n, max_n=self.max_n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +464,7 @@ class DraftSpec(_Section):
 
     kind: Literal["none", "eagle3", "mtp", "draft_model", "ngram"] = "eagle3"
     k: int = _field(3, **_ge(1))  # chain length (drafted tokens per verify)
-    tree: Optional[TreeSpec] = None  # null: chain drafting
+    tree: Optional[TreeSpec] = None  # noqa: F821 (lazy) null: chain drafting
     draft_vocab_size: Optional[int] = _field(None, **_ge(1))  # null: the policy's vocabulary
     hf_path: Optional[str] = None  # pretrained head (eagle3/mtp) or draft model directory
     layers: Optional[tuple[int, int, int]] = None  # EAGLE-3 captured layers; null: default
@@ -361,6 +484,13 @@ class DraftSpec(_Section):
         if self.kind == "draft_model" and self.model is None and self.hf_path is None:
             raise ConfigError("model", None, "kind 'draft_model' needs a model",
                               "a model spec (draft.model.*) or draft.hf_path")
+        if self.kind != "none":  # a verify step accepts at most depth + 1 tokens
+            most = (self.tree.depth if self.tree is not None else self.k) + 1
+            if self.collapse_threshold > most:
+                what = "draft.tree.depth" if self.tree is not None else "draft.k"
+                raise ConfigError("collapse_threshold", self.collapse_threshold,
+                                  f"above the longest possible acceptance ({what} + 1 = {most}),"
+                                  f" so the alarm would never clear", f"a number in [1, {most}]")
 
 
 def draft_headroom(draft: DraftSpec) -> int:
@@ -372,11 +502,17 @@ def draft_headroom(draft: DraftSpec) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSpec(_Section):
-    """The rollout sampling distribution (traced at run time; changing it never recompiles)."""
+    """The rollout sampling distribution (traced at run time; changing it never recompiles).
+    Defaults are `SamplingConfig`'s; it checks the ranges in `prepare_run`."""
 
-    temperature: float = _field(1.0, **_ge(0))  # 0 = greedy
-    top_k: int = _field(0, **_ge(0))  # 0 = off
-    top_p: float = _field(1.0, **_in_unit(True, False))  # 1.0 = off
+    temperature: float = _library_default("SamplingConfig", "temperature")  # 0 = greedy
+    top_k: int = _library_default("SamplingConfig", "top_k")  # 0 = off
+    top_p: float = _library_default("SamplingConfig", "top_p")  # 1.0 = off
+
+    def sampling_config(self):
+        """The `SamplingConfig` (device scalars; it checks the values)."""
+        return self._library_check(lambda: _lib("SamplingConfig")(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,35 +521,15 @@ class RolloutSpec(_Section):
     group_size: int = _field(8, **_ge(2))  # G samples per prompt
     max_new_tokens: int = _field(8, **_ge(1))
     max_prompt_len: int = _field(16, **_ge(1))  # prompt tokens (BOS included); longer: an error
-    method: Literal["replay", "rejection", "greedy"] = "replay"  # verification rule
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig(_Section):
-    """The GRPO loss (static, hashable: `grpo_loss` is jitted with it as a static argument)."""
-
-    loss: str = "clipped_pg"  # name in jaxspec.rl.grpo.LOSSES
-    advantage: str = "grpo"  # name in jaxspec.rl.grpo.ADVANTAGES
-    normalize_std: bool = True  # divide advantages by the group's reward std
-    eps_low: float = _field(0.2, **_in_unit(False, True))
-    eps_high: float = _field(0.2, **_ge(0))
-    clip_c: Optional[float] = _field(None, **_gt(1))  # dual clip for A < 0; null = off
-    kl_coef: float = _field(0.01, **_ge(0))  # k3 KL to the reference; 0 = no reference
-    loss_agg: Literal["token", "sequence"] = "token"
-    tis: Literal["none", "token", "sequence"] = "none"  # truncated importance weights
-    tis_cap: float = _field(2.0, **_gt(0))
-    minibatches: int = _field(1, **_ge(1))  # optimizer updates per step, on disjoint minibatches
+    method: str = "replay"  # verification rule: jaxspec.decoding.verify.METHODS
 
     def _validate(self):
-        from jaxspec.rl import grpo  # the registries live beside the functions they name
-
-        for key, registry in (("loss", grpo.LOSSES), ("advantage", grpo.ADVANTAGES)):
-            name = getattr(self, key)
-            if name not in registry:
-                close = difflib.get_close_matches(name, list(registry), n=1)
-                raise ConfigError(key, name, "unknown" + (f" (did you mean '{close[0]}'?)"
-                                                          if close else ""),
-                                  "one of " + ", ".join(repr(n) for n in registry))
+        methods = importlib.import_module("jaxspec.decoding.verify").METHODS
+        if self.method not in methods:
+            close = difflib.get_close_matches(self.method, list(methods), n=1)
+            raise ConfigError("method", self.method, "not a valid choice" + (
+                f" (did you mean '{close[0]}'?)" if close else ""),
+                "one of " + ", ".join(repr(m) for m in methods))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,8 +565,6 @@ class TaskSpec(_Section):
     path: Optional[str] = None  # the JSONL file for name 'jsonl'
 
     def _validate(self):
-        import inspect
-
         from jaxspec.rl import tasks
 
         if self.name not in tasks.TASKS:
@@ -485,7 +599,8 @@ class TaskSpec(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec(_Section):
-    dir: str = "runs/tiny"
+    dir: str = _field("runs/tiny", check=lambda v: bool(v.strip()),
+                      valid="a directory path (not empty; made if missing)")
     steps: int = _field(40, **_ge(1))
     seed: int = 0
     save_every: int = _field(10, **_ge(0))  # 0 = never
@@ -511,36 +626,37 @@ class AsyncSpec(_Section):
                               "async mode overlaps generation with training", ">= 1")
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
-
-
-def _default_rules() -> dict[str, Any]:
-    return {"batch": ("data", "fsdp"), "embed": "fsdp", "vocab": "tensor", "heads": "tensor",
-            "kv_heads": "tensor", "mlp": "tensor", "head_dim": None, "layers": None}
+def _mesh_default(axis: str) -> int:
+    return inspect.signature(_parallel().make_mesh).parameters[axis].default
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec(_Section):
-    """Device mesh sizes (-1: all remaining devices) and logical axis -> mesh axis rules."""
+    """Device mesh sizes (-1: all remaining devices; defaults those of `parallel.make_mesh`)
+    and logical axis -> mesh axis rules: `parallel.DEFAULT_RULES`, with the entries given
+    here replacing theirs."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    rules: dict[str, Optional[str | tuple[str, ...]]] = _field(factory=_default_rules)
+    data: int = dataclasses.field(default_factory=lambda: _mesh_default("data"))
+    fsdp: int = dataclasses.field(default_factory=lambda: _mesh_default("fsdp"))
+    tensor: int = dataclasses.field(default_factory=lambda: _mesh_default("tensor"))
+    rules: dict[str, Optional[str | tuple[str, ...]]] = dataclasses.field(
+        default_factory=lambda: dict(_parallel().DEFAULT_RULES))
 
     def _validate(self):
-        for axis in MESH_AXES:
-            size = getattr(self, axis)
-            if size == 0 or size < -1:
-                raise ConfigError(axis, size, "bad mesh axis size", ">= 1, or -1 for the rest")
-        if [getattr(self, a) for a in MESH_AXES].count(-1) > 1:
-            raise ConfigError("data", self.data, "more than one mesh axis is -1",
-                              "at most one axis of data/fsdp/tensor set to -1")
+        parallel = _parallel()
+        self._library_check(lambda: parallel.check_mesh_sizes(
+            {a: getattr(self, a) for a in parallel.MESH_AXES}))
         for logical, target in self.rules.items():
-            for axis in (target,) if isinstance(target, str) else (target or ()):
-                if axis not in MESH_AXES:
-                    raise ConfigError(f"rules.{logical}", target, "unknown mesh axis",
-                                      "null, or one or a list of " + ", ".join(MESH_AXES))
+            try:
+                parallel.resolve_rules({logical: target})
+            except ValueError as e:
+                raise ConfigError(f"rules.{logical}", target, str(e)) from None
+        object.__setattr__(self, "rules", {**parallel.DEFAULT_RULES, **self.rules})
+
+    def shards(self, logical: str) -> int:
+        """Into how many parts the fixed mesh sizes split a logical axis (-1 axes count 1)."""
+        axes = _parallel().resolve_rules(self.rules)[logical] or ()
+        return math.prod(max(getattr(self, a), 1) for a in axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,7 +667,7 @@ class Config(_Section):
     draft: DraftSpec = _field(factory=DraftSpec)
     sampling: SamplingSpec = _field(factory=SamplingSpec)
     rollout: RolloutSpec = _field(factory=RolloutSpec)
-    grpo: GRPOConfig = _field(factory=GRPOConfig)
+    grpo: GRPOConfig = _field(factory=lambda: _lib("GRPOConfig")())  # noqa: F821 (lazy)
     optim: OptimSpec = _field(factory=OptimSpec)
     draft_optim: OptimSpec = _field(factory=lambda: OptimSpec(lr=3e-3, b2=0.95, clip_norm=0.5))
     warmup: WarmupSpec = _field(factory=WarmupSpec)
@@ -560,34 +676,41 @@ class Config(_Section):
     async_: AsyncSpec = _field(factory=AsyncSpec, key="async")
     mesh: MeshSpec = _field(factory=MeshSpec)
 
+    def tiny_vocab_size(self) -> int | None:
+        """The tiny policy's vocabulary when it is known before the task is built."""
+        if self.model.hf_path is not None:
+            return None
+        if self.model.vocab_size is not None:
+            return self.model.vocab_size
+        if self.task.name == "jsonl":
+            return None
+        from jaxspec.rl import tasks
+
+        return tasks.CharTokenizer().vocab_size
+
     def _validate(self):
         m, d = self.model, self.draft
-        if d.layers is not None and m.hf_path is None:
-            for x in d.layers:
-                if not 0 <= x < m.num_layers:
-                    raise ConfigError("draft.layers", list(d.layers), "layer out of range",
-                                      f"three layer indices in [0, {m.num_layers - 1}]")
-        vocab = m.vocab_size
-        if m.hf_path is None and self.task.name != "jsonl":
-            from jaxspec.rl import tasks
-
-            need = tasks.CharTokenizer().vocab_size
-            if vocab is not None and vocab < need:
-                raise ConfigError("model.vocab_size", vocab,
-                                  f"smaller than the task tokenizer's vocabulary ({need})",
-                                  f"null or >= {need}")
-            vocab = vocab or need
         if m.hf_path is None and self.task.name == "jsonl":
             raise ConfigError("model.hf_path", None,
                               "task 'jsonl' needs a real model and its tokenizer",
                               "a local HF model directory")
-        if vocab is not None and d.draft_vocab_size is not None and d.draft_vocab_size > vocab:
-            raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
-                              f"larger than the policy vocabulary ({vocab})", f"<= {vocab}")
+        vocab = self.tiny_vocab_size()
         if d.model is not None and d.model.vocab_size not in (None, vocab):
             raise ConfigError("draft.model.vocab_size", d.model.vocab_size,
                               "a draft model shares the policy's tokenizer",
                               f"null or {vocab}")
+        if vocab is not None and vocab % self.mesh.shards("vocab"):
+            n = self.mesh.shards("vocab")
+            axes = self.mesh.rules["vocab"]
+            if "tensor" in ((axes,) if isinstance(axes, str) else axes):
+                raise ConfigError("mesh.tensor", self.mesh.tensor,
+                                  f"the policy's vocabulary ({vocab}) does not split into {n} "
+                                  f"shards (mesh.rules.vocab = {axes!r})",
+                                  f"sizes whose product divides {vocab}, or mesh.rules.vocab=null")
+            raise ConfigError("mesh.rules.vocab", axes,
+                              f"the policy's vocabulary ({vocab}) does not split into {n} "
+                              f"shards (mesh.rules.vocab = {self.mesh.rules['vocab']!r})",
+                              f"sizes whose product divides {vocab}, or mesh.rules.vocab=null")
         if self.rollout.method == "greedy" and self.sampling.temperature != 0:
             raise ConfigError("rollout.method", "greedy",
                               f"greedy verification is lossless only for temperature 0 "
@@ -597,17 +720,6 @@ class Config(_Section):
             raise ConfigError("rollout.method", "rejection",
                               "the rejection rule verifies sampled chains, not trees",
                               "'replay' or 'greedy', or draft.tree=null")
-        if m.hf_path is None:  # the tiny model's cache: prompt + rollout + draft headroom
-            need = self.rollout.max_prompt_len + self.rollout.max_new_tokens + draft_headroom(d)
-            if need > m.max_position_embeddings:
-                raise ConfigError(
-                    "rollout.max_prompt_len", self.rollout.max_prompt_len,
-                    f"a prompt of {self.rollout.max_prompt_len} tokens + max_new_tokens "
-                    f"{self.rollout.max_new_tokens} + draft headroom {draft_headroom(d)} = {need} "
-                    f"does not fit the cache (model.max_position_embeddings = "
-                    f"{m.max_position_embeddings})",
-                    f"<= {m.max_position_embeddings - self.rollout.max_new_tokens - draft_headroom(d)}"
-                    f", or a larger model.max_position_embeddings")
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.grpo.minibatches:
             raise ConfigError("grpo.minibatches", self.grpo.minibatches,
@@ -639,6 +751,9 @@ def _check_paths(cfg: Config) -> None:
                               "a local HF directory with config.json and *.safetensors")
         if want == "file" and not os.path.isfile(path):
             raise ConfigError(key, path, "no such file", "a path to an existing JSONL file")
+    if os.path.exists(cfg.run.dir) and not os.path.isdir(cfg.run.dir):
+        raise ConfigError("run.dir", cfg.run.dir, "an existing file, not a directory",
+                          "a directory (made if missing)")
 
 
 def _apply_override(raw: dict, item: str) -> None:
@@ -650,7 +765,7 @@ def _apply_override(raw: dict, item: str) -> None:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(key, text, "empty key in override", "a dotted key such as draft.k")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = _yaml_load(text) if text.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(key, text, f"the value is not a YAML scalar ({e})", None) from None
     node = raw
@@ -681,7 +796,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
                               "a YAML file such as configs/tiny.yaml")
         with open(path) as fh:
             try:
-                raw = yaml.safe_load(fh) or {}
+                raw = _yaml_load(fh) or {}
             except yaml.YAMLError as e:
                 raise ConfigError("<file>", str(path), f"not valid YAML: {e}") from None
         if not isinstance(raw, dict):

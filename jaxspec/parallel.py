@@ -38,6 +38,7 @@ __all__ = [
     "MESH_AXES",
     "batch_sharding",
     "cache_shardings",
+    "check_mesh_sizes",
     "constrain",
     "hf_shardings",
     "initialize_distributed",
@@ -87,12 +88,8 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    for name, size in sizes.items():
-        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or (size < 1 and size != -1):
-            raise ValueError(f"mesh {name}={size!r}; valid: an int >= 1, or -1 for the remaining devices")
+    check_mesh_sizes(sizes)
     fill = [name for name, size in sizes.items() if size == -1]
-    if len(fill) > 1:
-        raise ValueError(f"mesh sizes {sizes}: at most one axis may be -1; got -1 for {fill}")
     n = len(devices)
     if n == 0:
         raise ValueError("make_mesh: no devices given")
@@ -114,6 +111,16 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     grid = np.empty(len(devices), dtype=object)
     grid[:] = devices
     return Mesh(grid.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_mesh_sizes(sizes: Mapping[str, int]) -> None:
+    """Each mesh axis size an int >= 1 or -1 (the remaining devices), at most one -1."""
+    for name, size in sizes.items():
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ValueError(f"mesh {name}={size!r}; valid: an int >= 1, or -1 for the remaining devices")
+    fill = [name for name, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ValueError(f"mesh sizes {dict(sizes)}: at most one axis may be -1; got -1 for {fill}")
 
 
 def split_devices(n_gen: int, n_train: int, devices=None) -> tuple[list, list]:

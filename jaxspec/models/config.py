@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 
 import jax.numpy as jnp
+
+from jaxspec.kernels import BACKENDS
 
 FAMILIES = ("qwen3", "llama")
 DTYPES = ("float32", "bfloat16")
@@ -42,18 +46,30 @@ class ModelConfig:
     family: str = "qwen3"
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"ModelConfig.family={self.family!r}; valid: {FAMILIES}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; valid: {DTYPES}")
+        for name, choices in (("family", FAMILIES), ("dtype", DTYPES),
+                              ("attention_backend", BACKENDS)):
+            value = getattr(self, name)
+            if value not in choices:
+                close = difflib.get_close_matches(str(value), choices, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(f"ModelConfig.{name}={value!r} is unknown{hint}; valid: one of "
+                                 + ", ".join(repr(c) for c in choices))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}={value!r}; must be a positive int")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}={value!r}; must be a finite number > 0")
+        if not isinstance(self.max_position_embeddings, int) or self.max_position_embeddings < 1:
+            raise ValueError(f"ModelConfig.max_position_embeddings={self.max_position_embeddings!r}"
+                             f"; must be a positive int")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide num_heads: "
+                f"num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (GQA needs whole groups)"
             )
         if self.head_dim % 2:

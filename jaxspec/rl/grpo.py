@@ -8,15 +8,66 @@ Loss variants and advantage estimators are chosen by name (`GRPOConfig.loss`,
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import difflib
+import math
+from typing import Callable, Literal, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import GRPOConfig
-
 __all__ = ["ADVANTAGES", "GRPOConfig", "LOSSES", "group_advantages", "grpo_loss", "k3_kl",
            "register_advantage", "register_loss"]
+
+# ----------------------------------------------------------------------------- config
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """The GRPO loss (static, hashable: `grpo_loss` is jitted with it as a static argument).
+    This is the `grpo:` section of a run config; each field checks itself here."""
+
+    loss: str = "clipped_pg"  # name in LOSSES
+    advantage: str = "grpo"  # name in ADVANTAGES
+    normalize_std: bool = True  # divide advantages by the group's reward std
+    eps_low: float = 0.2  # ratio clip 1 - eps_low, in [0, 1)
+    eps_high: float = 0.2  # ratio clip 1 + eps_high, >= 0
+    clip_c: Optional[float] = None  # dual clip for A < 0 (> 1); None = off
+    kl_coef: float = 0.01  # k3 KL to the reference; 0 = no reference
+    loss_agg: Literal["token", "sequence"] = "token"
+    tis: Literal["none", "token", "sequence"] = "none"  # truncated importance weights
+    tis_cap: float = 2.0  # > 0
+    minibatches: int = 1  # optimizer updates per step, on disjoint minibatches
+
+    def __post_init__(self):
+        for name, registry in (("loss", LOSSES), ("advantage", ADVANTAGES)):
+            value = getattr(self, name)
+            if value not in registry:
+                close = difflib.get_close_matches(str(value), list(registry), n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(f"GRPOConfig.{name}={value!r} is unknown{hint}; valid: one of "
+                                 + ", ".join(repr(n) for n in registry))
+        for name, choices in (("loss_agg", ("token", "sequence")),
+                              ("tis", ("none", "token", "sequence"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}; valid: one of "
+                                 + ", ".join(repr(c) for c in choices))
+        ranges = {
+            "eps_low": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+            "eps_high": (lambda v: v >= 0, ">= 0"),
+            "clip_c": (lambda v: v is None or v > 1, "null or > 1"),
+            "kl_coef": (lambda v: v >= 0, ">= 0"),
+            "tis_cap": (lambda v: v > 0, "> 0"),
+        }
+        for name, (ok, valid) in ranges.items():
+            value = getattr(self, name)
+            number = value is None or (isinstance(value, (int, float))
+                                       and not isinstance(value, bool) and math.isfinite(value))
+            if not number or not ok(value):
+                raise ValueError(f"GRPOConfig.{name}={value!r} is out of range; valid: {valid}")
+        if not isinstance(self.minibatches, int) or self.minibatches < 1:
+            raise ValueError(f"GRPOConfig.minibatches={self.minibatches!r} is out of range; "
+                             f"valid: an int >= 1")
+
 
 # ----------------------------------------------------------------------------- advantages
 

@@ -1,9 +1,13 @@
-"""The run plan: every check of a user's input on the host, before anything compiles."""
+"""The run plan: everything a run's inputs can get wrong, settled on the host before anything
+compiles — the task and its data, the tokenizer, the policy and draft architectures against
+each other and the cache, sampling settings, the device split and meshes, and the checkpoint
+to resume from. Values the config schema already checks are not checked again here."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -14,10 +18,12 @@ from jaxspec import parallel
 from jaxspec.checkpoint import CheckpointManager
 from jaxspec.config import Config, ConfigError, draft_headroom
 from jaxspec.decoding import drafters as drafters_lib
-from jaxspec.models import Llama3RopeScaling, ModelConfig
+from jaxspec.kernels import resolve_backend
+from jaxspec.models import ModelConfig
 from jaxspec.rl import tasks as tasks_lib
 
 __all__ = ["HFTokenizer", "RunPlan", "prepare_run"]
+
 
 
 class HFTokenizer:
@@ -84,21 +90,7 @@ def _read_json(path: str, key: str) -> dict:
 
 
 def _tiny_model_config(spec, vocab: int) -> ModelConfig:
-    scaling = spec.rope_scaling
-    if scaling is not None:
-        try:
-            scaling = Llama3RopeScaling(**scaling)
-        except TypeError as e:
-            raise ConfigError("model.rope_scaling", spec.rope_scaling, str(e),
-                              "factor, low_freq_factor, high_freq_factor, "
-                              "original_max_position_embeddings") from None
-    return ModelConfig(
-        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, rope_theta=spec.rope_theta, rope_scaling=scaling,
-        rms_norm_eps=spec.rms_norm_eps, qk_norm=spec.qk_norm, tie_embeddings=spec.tie_embeddings,
-        max_position_embeddings=spec.max_position_embeddings, dtype=spec.dtype,
-        attention_backend=spec.attention_backend, family=spec.family)
+    return spec.model_config(vocab)  # the schema built and checked the same ModelConfig
 
 
 def _checkpoint_dir(cfg: Config) -> str:
@@ -119,6 +111,15 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     if d.kind == "mtp":
         raise ConfigError("draft.kind", "mtp", "the GRPO trainer has no MTP training loss",
                           "'eagle3', 'draft_model', 'ngram' or 'none'")
+    try:  # sampling settings: SamplingConfig checks them (its arrays need the devices)
+        cfg.sampling.sampling_config()
+    except ConfigError as e:
+        raise e.under("sampling") from None
+    try:  # a named attention kernel this platform cannot run
+        resolve_backend(cfg.model.attention_backend)
+    except ValueError as e:
+        raise ConfigError("model.attention_backend", cfg.model.attention_backend, str(e),
+                          "'auto', or 'reference'/'pallas' off CUDA") from None
     # The task and its data.
     try:
         task = tasks_lib.make_task(cfg.task.name, seed=cfg.run.seed, path=cfg.task.path,
@@ -156,10 +157,11 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     room = model_config.max_position_embeddings - r.max_new_tokens - draft_headroom(d)
     if r.max_prompt_len > room:
         raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
-                          f"prompt + max_new_tokens {r.max_new_tokens} + draft headroom "
-                          f"{draft_headroom(d)} exceeds the policy's cache "
-                          f"(max_position_embeddings {model_config.max_position_embeddings})",
-                          f"<= {room}")
+                          f"a prompt of {r.max_prompt_len} tokens + max_new_tokens "
+                          f"{r.max_new_tokens} + draft headroom {draft_headroom(d)} does not fit "
+                          f"the cache (max_position_embeddings = "
+                          f"{model_config.max_position_embeddings})",
+                          f"<= {room}, or a larger model.max_position_embeddings")
     if isinstance(task, tasks_lib.JsonlTask):
         prompts = [(i, ex.prompt) for i, ex in enumerate(task.examples)]
     else:
@@ -176,13 +178,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
         if bad:
             raise ConfigError("draft.layers", list(d.layers), "layer out of range",
                               f"three layer indices in [0, {model_config.num_layers - 1}]")
-    tree = None
-    if d.tree is not None:
-        try:
-            tree = drafters_lib.TreeSpec(top_k=d.tree.top_k, depth=d.tree.depth,
-                                         budget=d.tree.budget)
-        except ValueError as e:
-            raise ConfigError("draft.tree", dataclasses.asdict(d.tree), str(e)) from None
+    tree = d.tree  # the config's tree is the library's TreeSpec, checked when loaded
     if d.draft_vocab_size is not None and d.draft_vocab_size > vocab:
         raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
                           f"larger than the policy's vocabulary ({vocab})", f"<= {vocab}")
@@ -224,12 +220,12 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     if a.enabled:
         n_gen = a.generation_devices or max(len(devices) // 2, 1)
         n_train = a.training_devices or len(devices) - n_gen
-        if n_train < 1 or n_gen + n_train > len(devices):
-            raise ConfigError("async.training_devices", a.training_devices,
-                              f"{n_gen} generation + {n_train} training devices, but "
-                              f"{len(devices)} are available",
-                              f"generation_devices + training_devices <= {len(devices)}, each >= 1")
-        gen, train = devices[:n_gen], devices[n_gen:n_gen + n_train]
+        try:
+            gen, train = map(tuple, parallel.split_devices(n_gen, n_train, devices))
+        except ValueError as e:
+            raise ConfigError("async.training_devices", a.training_devices, str(e),
+                              f"generation_devices + training_devices <= {len(devices)}, "
+                              f"each >= 1") from None
     else:
         gen = train = devices
     meshes = {}
@@ -240,6 +236,14 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
             raise ConfigError("mesh", {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp,
                                        "tensor": cfg.mesh.tensor},
                               f"{e} (the {key} group has {len(group)} devices)") from None
+        rules = parallel.resolve_rules(cfg.mesh.rules)
+        vocab_shards = math.prod(meshes[key].shape[ax] for ax in rules["vocab"] or ())
+        if vocab % vocab_shards:
+            name = "tensor" if "tensor" in rules["vocab"] else "rules.vocab"
+            raise ConfigError(f"mesh.{name}", getattr(cfg.mesh, name, cfg.mesh.rules["vocab"]),
+                              f"the policy's vocabulary ({vocab}) does not split into the "
+                              f"{vocab_shards} shards of mesh.rules.vocab on the {key} devices",
+                              f"sizes whose product divides {vocab}, or mesh.rules.vocab=null")
         shards = meshes[key].shape["data"] * meshes[key].shape["fsdp"]
         if batch % shards:
             raise ConfigError("rollout.prompts_per_step", r.prompts_per_step,
@@ -260,3 +264,5 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     return RunPlan(task=task, tokenizer=tokenizer, model_config=model_config,
                    draft_model_config=draft_model_config, tree=tree, generation_devices=gen,
                    training_devices=train, resume_step=steps[-1] if cfg.run.resume else None)
+
+

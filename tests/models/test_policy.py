@@ -265,12 +265,16 @@ def test_with_config_rebuilds_the_graph_and_astype_casts(qwen3_policies):
     policy = qwen3_policies["float32"]
     tokens = np.zeros((1, 2), np.int32)
     positions = np.array([[0, 1]], np.int32)
-    # The backend setting reaches the kernel call (an unknown one is the kernel's error).
-    bogus = policy.with_config(attention_backend="no-such-backend")
-    assert bogus.config.attention_backend == "no-such-backend"
-    assert bogus.params is policy.params
+    # The backend setting is a new config over the same params; an unknown backend is
+    # refused by ModelConfig itself (the names of jaxspec.kernels.BACKENDS).
+    triton = policy.with_config(attention_backend="triton")
+    assert triton.config.attention_backend == "triton"
+    assert triton.params is policy.params
+    if jax.default_backend() != "gpu":  # the setting reaches the kernel call
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            triton.forward(tokens, positions)
     with pytest.raises(ValueError, match="no-such-backend"):
-        bogus.forward(tokens, positions)
+        policy.with_config(attention_backend="no-such-backend")
     with pytest.raises(ValueError, match=r"changes the parameters"):
         policy.with_config(intermediate_size=96)
     cast = policy.astype("bfloat16")

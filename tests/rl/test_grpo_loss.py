@@ -178,7 +178,7 @@ def test_missing_inputs_for_options_are_clear_errors():
 
 def test_config_is_hashable_and_names_are_checked():
     assert hash(GRPOConfig()) == hash(GRPOConfig())
-    with pytest.raises(ConfigError, match="'loss'.*clipped_pg"):
+    with pytest.raises(ValueError, match="GRPOConfig.loss='ppo'.*clipped_pg"):
         GRPOConfig(loss="ppo")
 
 
