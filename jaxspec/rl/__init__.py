@@ -4,7 +4,6 @@ supervised warm-up and the GRPO trainer (sync and async)."""
 from jaxspec.rl.draft import (
     DraftLossConfig,
     draft_loss,
-    draft_optimizer,
     draft_train_step,
 )
 from jaxspec.rl.grpo import group_advantages, grpo_loss, k3_kl
@@ -34,7 +33,6 @@ __all__ = [
     "Task",
     "draft_corpus",
     "draft_loss",
-    "draft_optimizer",
     "draft_train_step",
     "encode_pairs",
     "group_advantages",
