@@ -127,33 +127,6 @@ def test_bf16_mismatch_rate_is_small(policy, drafters):
         assert agree_prefix.mean() / MAX_NEW >= 0.5
 
 
-def _ngram_numpy(history, k, min_n, max_n):
-    """Plain-python prompt lookup: latest earlier match of the longest suffix n-gram."""
-    L = len(history)
-    for n in range(max_n, min_n - 1, -1):
-        if L < n + 1:
-            continue
-        suffix = history[L - n :]
-        for j in range(L - n - 1, -1, -1):
-            if history[j : j + n] == suffix:
-                cont = history[j + n : j + n + k]
-                return cont + [history[-1]] * (k - len(cont))
-    return [history[-1]] * k
-
-
-def test_ngram_lookup_matches_python_reference():
-    rng = np.random.default_rng(0)
-    width, batch = 24, 16
-    buf = rng.integers(0, 4, size=(batch, width)).astype(np.int32)
-    lengths = rng.integers(1, width + 1, size=batch).astype(np.int32)
-    d = NGramDrafter(k=4, min_n=1, max_n=3)
-    ctx = DraftContext(jnp.asarray(buf), jnp.asarray(lengths), jax.random.key(0), SamplingConfig(), False)
-    tree, _, _ = d.propose(None, None, ctx)
-    for b in range(batch):
-        want = _ngram_numpy(buf[b, : lengths[b]].tolist(), 4, 1, 3)
-        assert np.asarray(tree.tokens[b]).tolist() == want, b
-
-
 def test_bad_inputs_fail_before_compiling(policy):
     with pytest.raises(ValueError, match="draft length k must be an int >= 1; got 0"):
         NGramDrafter(k=0)
