@@ -71,8 +71,10 @@ def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
                 f"prompts[{i}] is {describe(p)}; prompts must be a list of token-id lists, "
                 f"e.g. [[1, 2, 3]] for one prompt"
             )
-        bad = [t for t in p if not _is_int(t) and not (
-            isinstance(t, (np.ndarray, jax.Array)) and t.ndim == 0 and t.dtype.kind in "iu")]
+        if isinstance(p, (np.ndarray, jax.Array)):
+            rows.append(_integer_array(f"prompts[{i}]", p, 1).tolist())
+            continue
+        bad = [t for t in p if not _is_int(t)]
         if bad:
             raise TypeError(
                 f"prompts[{i}] holds {describe(bad[0])}: token ids must be integers "
@@ -166,6 +168,8 @@ def check_token(name: str, value, vocab: int) -> int:
 
 
 def check_stop_tokens(stop_tokens, vocab: int) -> list[int]:
+    if isinstance(stop_tokens, (np.ndarray, jax.Array)):
+        stop_tokens = _integer_array("stop_tokens", stop_tokens, 1).tolist()
     if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray, set, frozenset)):
         raise TypeError(
             f"stop_tokens must be a sequence of token ids, e.g. [2] or (); got {describe(stop_tokens)}"

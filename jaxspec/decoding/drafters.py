@@ -7,7 +7,6 @@ decoding, so the engine has one code path.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.protocols import DraftContext, DraftHead, Observation
 from jaxspec.decoding.sampling import process_logits
 from jaxspec.decoding.tree import Tree
+from jaxspec.models import KVCache, Policy
 
 
 def _check_k(k: int, name: str = "k") -> None:
@@ -40,18 +40,13 @@ def _choose(logits, ctx: DraftContext, key, ids=None, vocab=None):
     return token, q
 
 
-# --------------------------------------------------------------------------- none
+# --------------------------------------------------------------------------- model-free
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class NoDrafter:
-    """Plain decoding: the empty tree every step (`generate(drafter=None)` uses it)."""
+class _ModelFree:
+    """What drafters without a model share: no state, no captured layers, no forwards."""
 
-    num_nodes = 0
-    max_depth = 0
     capture_layers = ()
-    supports_rejection = True  # rejection over an empty tree is plain sampling
     forwards_per_propose = 0
     forwards_per_observe = 0
 
@@ -64,6 +59,16 @@ class NoDrafter:
     def observe(self, state, policy, obs: Observation):
         return state
 
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NoDrafter(_ModelFree):
+    """Plain decoding: the empty tree every step (`generate(drafter=None)` uses it)."""
+
+    num_nodes = 0
+    max_depth = 0
+    supports_rejection = True  # rejection over an empty tree is plain sampling
+
     def propose(self, state, policy, ctx: DraftContext):
         return Tree.chain(jnp.zeros((ctx.lengths.shape[0], 0), jnp.int32)), None, state
 
@@ -73,11 +78,11 @@ class NoDrafter:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
+class NGramDrafter(_ModelFree):
     """Prompt lookup: find the latest earlier occurrence of the last n tokens, copy what followed.
 
     Tries n = max_n down to min_n; with no match it proposes the root repeated (harmless:
-    verification rejects it). Model-free, so `forwards_per_*` are 0.
+    verification rejects it).
     """
 
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
@@ -93,19 +98,7 @@ class NGramDrafter:
 
     num_nodes = property(lambda self: self.k)
     max_depth = property(lambda self: self.k)
-    capture_layers = ()
     supports_rejection = False
-    forwards_per_propose = 0
-    forwards_per_observe = 0
-
-    def check_compatible(self, policy) -> None:
-        return None
-
-    def init_state(self, policy, batch, max_len):
-        return None
-
-    def observe(self, state, policy, obs: Observation):
-        return state
 
     def propose(self, state, policy, ctx: DraftContext):
         buf, lengths = ctx.buffer, ctx.lengths
@@ -141,7 +134,7 @@ class NGramDrafter:
 class DraftModelDrafter:
     """A small policy of the same tokenizer drafts a chain of k tokens autoregressively."""
 
-    model: Any  # jaxspec.models.Policy sharing the policy's tokenizer
+    model: Policy  # a small policy sharing the verifier's tokenizer
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
 
     def __post_init__(self):
@@ -221,7 +214,7 @@ class TreeSpec:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HeadState:
-    cache: Any  # KVCache of the head's single layer
+    cache: KVCache  # the head's single layer
     last_hidden: jax.Array  # [batch, H] pre-norm head output at the last observed position
 
 

@@ -119,7 +119,7 @@ def test_bad_sampling_settings_are_named(kwargs, error, fragments):
     "prompts, fragments",
     [
         ([[3, 4.5]], ["prompts[0]", "4.5 (float)", "never truncated"]),
-        ([np.array([3.0, 4.0])], ["prompts[0]", "3.0"]),
+        ([np.array([3.0, 4.0])], ["prompts[0]", "float64", "3.0"]),
         ((np.array([[3.0, 4.0]]), np.array([2])), ["prompts[0] (tokens)", "float64"]),
     ],
 )
