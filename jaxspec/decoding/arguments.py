@@ -185,15 +185,14 @@ def check_stop_tokens(stop_tokens, vocab: int) -> list[int]:
 
 
 def check_rows(rows, batch: int):
-    """Global rollout ids [batch] (int), or None for arange(batch)."""
+    """Global rollout ids [batch] (int), or None for arange(batch). A jax.Array keeps its
+    placement (the trainer shards rows over the generation mesh): only dtype and shape are read."""
     if rows is None:
         return np.arange(batch, dtype=np.int32)
-    if isinstance(rows, jax.core.Tracer):
-        return rows
-    array = np.asarray(rows)
-    if array.dtype.kind not in "iu" or array.shape != (batch,):
+    array = rows if isinstance(rows, jax.Array) else np.asarray(rows)
+    if array.dtype.kind not in "iu" or tuple(array.shape) != (batch,):
         raise ValueError(
             f"rows must be {batch} integer rollout ids (shape ({batch},)); got dtype "
-            f"{array.dtype} and shape {array.shape}"
+            f"{array.dtype} and shape {tuple(array.shape)}"
         )
-    return array.astype(np.int32)
+    return array.astype(np.int32) if array.dtype != np.int32 else array
