@@ -229,6 +229,13 @@ class _HeadDrafter:
 
     def __post_init__(self):
         _check_k(self.k)
+        if not isinstance(self.head, DraftHead):
+            raise TypeError(
+                f"{type(self).__name__} needs a draft head (jaxspec.decoding.DraftHead: an "
+                f"Eagle3Head or MTPHead); got {type(self.head).__name__}"
+            )
+        if self.tree is not None and not isinstance(self.tree, TreeSpec):
+            raise TypeError(f"tree must be a TreeSpec or None; got {self.tree!r}")
 
     @property
     def num_nodes(self) -> int:

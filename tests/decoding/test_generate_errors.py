@@ -16,6 +16,7 @@ import pytest
 from jaxspec.decoding import Eagle3Drafter, SamplingConfig, TreeSpec
 from jaxspec.decoding.engine import generate
 from jaxspec.models import ModelConfig, Policy
+from jaxspec.models.eagle3 import Eagle3Head
 
 _TRACES: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -140,11 +141,17 @@ def test_tree_spec_errors_name_the_field():
             TreeSpec(**kwargs)
 
 
+def test_drafter_arguments_are_typed(policy):
+    with fails_before_tracing(TypeError, "Eagle3Drafter needs a draft head", "got Policy"):
+        Eagle3Drafter(policy, k=2)
+    head = jax.eval_shape(lambda: Eagle3Head.init_for(policy, 16, jax.random.key(2)))
+    with fails_before_tracing(TypeError, "tree must be a TreeSpec", "(3, 3, 7)"):
+        Eagle3Drafter(head, tree=(3, 3, 7))
+
+
 def test_a_drafter_that_does_not_fit_the_policy_fails_before_tracing(policy):
     other = Policy.init(ModelConfig.tiny("qwen3", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1),
                         jax.random.key(1))
-    from jaxspec.models.eagle3 import Eagle3Head
-
     head = jax.eval_shape(lambda: Eagle3Head.init_for(other, 16, jax.random.key(2)))
     call = _call(policy, drafter=Eagle3Drafter(head, k=2))
     with fails_before_tracing(ValueError, "EAGLE-3 head does not match the policy", "hidden_size 32"):
