@@ -3,23 +3,28 @@
 from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
 from jaxspec.decoding.tree import Tree
 from jaxspec.decoding.verify import METHODS, Verdict, verify
-from jaxspec.decoding.drafters import (  # noqa: E402  (drafters build on the three above)
-    DraftContext,
+from jaxspec.decoding.protocols import DraftContext, DraftHead, Drafter, Observation  # noqa: E402
+from jaxspec.decoding.drafters import (  # noqa: E402  (drafters build on the above)
     DraftModelDrafter,
     Eagle3Drafter,
     MTPDrafter,
     NGramDrafter,
+    NoDrafter,
     TreeSpec,
 )
-from jaxspec.decoding.engine import Rollouts, RolloutStats, generate, pad_prompts  # noqa: E402
+from jaxspec.decoding.engine import Rollouts, RolloutStats, generate  # noqa: E402
 
 __all__ = [
     "METHODS",
     "DraftContext",
+    "DraftHead",
     "DraftModelDrafter",
+    "Drafter",
     "Eagle3Drafter",
     "MTPDrafter",
     "NGramDrafter",
+    "NoDrafter",
+    "Observation",
     "RolloutStats",
     "Rollouts",
     "SamplingConfig",
@@ -27,7 +32,6 @@ __all__ = [
     "TreeSpec",
     "Verdict",
     "generate",
-    "pad_prompts",
     "process_logits",
     "sample",
     "verify",

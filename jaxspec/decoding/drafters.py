@@ -1,46 +1,24 @@
 """Drafters: pytrees that carry their own params and settings through `jax.jit`.
 
-Protocol (what the engine calls, all inside one trace):
-- static attributes `num_nodes` (N, tree nodes per proposal), `max_depth` (D),
-  `capture_layers` (policy layers whose hidden states the drafter needs),
-  `supports_rejection`, `forwards_per_propose`, `forwards_per_observe`;
-- `check_compatible(policy)`: host-side check before anything compiles;
-- `init_state(policy, batch, max_len) -> state`;
-- `observe(state, policy, fed_tokens[B,M], next_tokens[B,M], positions[B,M], captured)`:
-  the policy has just committed `fed_tokens` (positions < 0 are padding), whose
-  successors are `next_tokens`, with hidden states `captured[layer][B,M,H]`;
-- `propose(state, policy, ctx) -> (Tree, draft_probs[B,N,V] | None, state)`.
+Each satisfies `jaxspec.decoding.protocols.Drafter`; `NoDrafter` (the empty tree) is plain
+decoding, so the engine has one code path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoding.sampling import SamplingConfig, process_logits
+from jaxspec.decoding.protocols import DraftContext, DraftHead, Observation
+from jaxspec.decoding.sampling import process_logits
 from jaxspec.decoding.tree import Tree
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftContext:
-    """What the engine tells a drafter at each proposal (lives inside one trace only)."""
-
-    buffer: jax.Array  # [batch, max_len] committed tokens (prompt + generated)
-    lengths: jax.Array  # [batch] committed count; the root is at lengths - 1
-    key: jax.Array  # PRNG key for sampled drafts
-    sampling: SamplingConfig
-    sampled: bool  # draw drafts from q and return q (rejection method) instead of argmax
-
-    @property
-    def root(self) -> jax.Array:  # [batch]
-        return jnp.take_along_axis(self.buffer, (self.lengths - 1)[:, None], axis=1)[:, 0]
+from jaxspec.models import KVCache, Policy
 
 
 def _check_k(k: int, name: str = "k") -> None:
-    if not isinstance(k, int) or k < 1:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"draft length {name} must be an int >= 1; got {k!r}")
 
 
@@ -62,16 +40,49 @@ def _choose(logits, ctx: DraftContext, key, ids=None, vocab=None):
     return token, q
 
 
+# --------------------------------------------------------------------------- model-free
+
+
+class _ModelFree:
+    """What drafters without a model share: no state, no captured layers, no forwards."""
+
+    capture_layers = ()
+    forwards_per_propose = 0
+    forwards_per_observe = 0
+
+    def check_compatible(self, policy) -> None:
+        return None
+
+    def init_state(self, policy, batch, max_len):
+        return None
+
+    def observe(self, state, policy, obs: Observation):
+        return state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NoDrafter(_ModelFree):
+    """Plain decoding: the empty tree every step (`generate(drafter=None)` uses it)."""
+
+    num_nodes = 0
+    max_depth = 0
+    supports_rejection = True  # rejection over an empty tree is plain sampling
+
+    def propose(self, state, policy, ctx: DraftContext):
+        return Tree.chain(jnp.zeros((ctx.lengths.shape[0], 0), jnp.int32)), None, state
+
+
 # --------------------------------------------------------------------------- n-gram
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
+class NGramDrafter(_ModelFree):
     """Prompt lookup: find the latest earlier occurrence of the last n tokens, copy what followed.
 
     Tries n = max_n down to min_n; with no match it proposes the root repeated (harmless:
-    verification rejects it). Model-free, so `forwards_per_*` are 0.
+    verification rejects it).
     """
 
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
@@ -87,19 +98,7 @@ class NGramDrafter:
 
     num_nodes = property(lambda self: self.k)
     max_depth = property(lambda self: self.k)
-    capture_layers = ()
     supports_rejection = False
-    forwards_per_propose = 0
-    forwards_per_observe = 0
-
-    def check_compatible(self, policy) -> None:
-        return None
-
-    def init_state(self, policy, batch, max_len):
-        return None
-
-    def observe(self, state, policy, fed_tokens, next_tokens, positions, captured):
-        return state
 
     def propose(self, state, policy, ctx: DraftContext):
         buf, lengths = ctx.buffer, ctx.lengths
@@ -135,7 +134,7 @@ class NGramDrafter:
 class DraftModelDrafter:
     """A small policy of the same tokenizer drafts a chain of k tokens autoregressively."""
 
-    model: Any  # jaxspec.models.Policy
+    model: Policy  # a small policy sharing the verifier's tokenizer
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
 
     def __post_init__(self):
@@ -159,8 +158,8 @@ class DraftModelDrafter:
     def init_state(self, policy, batch, max_len):
         return self.model.init_cache(batch, max_len)
 
-    def observe(self, cache, policy, fed_tokens, next_tokens, positions, captured):
-        _, _, cache = self.model.forward(fed_tokens, positions, cache)
+    def observe(self, cache, policy, obs: Observation):
+        _, _, cache = self.model.forward(obs.fed_tokens, obs.positions, cache)
         return cache
 
     def propose(self, cache, policy, ctx: DraftContext):
@@ -183,31 +182,39 @@ class DraftModelDrafter:
 
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
-    """Dynamic draft tree: expand the top_k children of each frontier node per depth,
-    keep the global top_k by cumulative log-prob as the next frontier, then keep the
-    best `budget` nodes of everything expanded (ancestors always score higher)."""
+    """Dynamic draft tree (EAGLE-2/3): expand the top_k children of each frontier node per
+    depth, keep the global top_k by cumulative log-prob as the next frontier, then verify the
+    best `budget` nodes of everything expanded (ancestors always score higher).
 
-    top_k: int = 4
-    depth: int = 4
-    budget: int = 16
+    The one tree schema of the project (the config's `draft.tree` section is this class).
+    """
+
+    top_k: int = 4  # children expanded per frontier node, and frontier width
+    depth: int = 3  # draft depth (tokens past the root)
+    budget: int = 8  # nodes verified per step
 
     def __post_init__(self):
         for name in ("top_k", "depth", "budget"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TreeSpec.{name} must be an int >= 1; got {value!r}")
-        pool = self.top_k + (self.depth - 1) * self.top_k**2
-        if self.budget > pool:
+        pool = self.max_nodes(self.top_k, self.depth)
+        if not self.depth <= self.budget <= pool:
             raise ValueError(
-                f"TreeSpec.budget {self.budget} exceeds the {pool} nodes that top_k={self.top_k}, "
-                f"depth={self.depth} can expand"
+                f"TreeSpec.budget={self.budget} is invalid: it must be in [depth, nodes "
+                f"expanded] = [{self.depth}, {pool}] for top_k={self.top_k}, depth={self.depth}"
             )
+
+    @staticmethod
+    def max_nodes(top_k: int, depth: int) -> int:
+        """Nodes the expansion produces: top_k at depth 1, top_k * top_k at each later depth."""
+        return top_k + (depth - 1) * top_k**2
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HeadState:
-    cache: Any  # KVCache of the head's single layer
+    cache: KVCache  # the head's single layer
     last_hidden: jax.Array  # [batch, H] pre-norm head output at the last observed position
 
 
@@ -216,12 +223,19 @@ class _HeadDrafter:
     """Drafting with a head conditioned on the policy's hidden states (EAGLE-3, MTP): a chain
     of k argmax (or sampled) drafts, or a dynamic tree (`TreeSpec`)."""
 
-    head: Any
+    head: DraftHead
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
     tree: TreeSpec | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         _check_k(self.k)
+        if not isinstance(self.head, DraftHead):
+            raise TypeError(
+                f"{type(self).__name__} needs a draft head (jaxspec.decoding.DraftHead: an "
+                f"Eagle3Head or MTPHead); got {type(self.head).__name__}"
+            )
+        if self.tree is not None and not isinstance(self.tree, TreeSpec):
+            raise TypeError(f"tree must be a TreeSpec or None; got {self.tree!r}")
 
     @property
     def num_nodes(self) -> int:
@@ -247,22 +261,23 @@ class _HeadDrafter:
 
     def check_compatible(self, policy) -> None:
         self.head.check_compatible(policy)
-        vocab = getattr(self.head.config, "draft_vocab_size", self.head.config.vocab_size)
+        vocab = self.head.draft_vocab_size
         if self.tree is not None and self.tree.top_k > vocab:
             raise ValueError(
                 f"TreeSpec.top_k {self.tree.top_k} exceeds the head's draft vocabulary ({vocab} tokens)"
             )
 
     def init_state(self, policy, batch, max_len):
-        hidden = self.head.config.hidden_size
+        hidden = self.head.hidden_size
         return HeadState(
             cache=self.head.init_cache(batch, max_len),
             last_hidden=jnp.zeros((batch, hidden), jnp.float32),
         )
 
-    def observe(self, state, policy, fed_tokens, next_tokens, positions, captured):
-        features = jnp.concatenate([captured[i] for i in self.head.capture_layers], axis=-1)
-        embeds = policy.embed(next_tokens)
+    def observe(self, state, policy, obs: Observation):
+        positions = obs.positions
+        features = jnp.concatenate([obs.captured[i] for i in self.head.capture_layers], axis=-1)
+        embeds = policy.embed(obs.next_tokens)
         hidden, cache = self.head.forward(embeds, features, positions, state.cache, fuse=True)
         # The last valid position of each row carries the state the next draft starts from.
         last = jnp.argmax(jnp.where(positions >= 0, positions, -1), axis=1)

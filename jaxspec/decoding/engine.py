@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.tree import Tree
-from jaxspec.decoding.verify import verify
 from jaxspec import parallel
-from jaxspec.decoding.drafters import DraftContext
+from jaxspec.decoding import arguments as args
+from jaxspec.decoding.arguments import pad_prompts
+from jaxspec.decoding.drafters import NoDrafter
+from jaxspec.decoding.protocols import DraftContext, Drafter, Observation
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.verify import verify
 from jaxspec.models import KVCache, Policy, compact
-
-METHODS = ("replay", "greedy", "rejection")
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +45,20 @@ class RolloutStats:
     proposed_at: jax.Array  # [max_depth] row-steps that proposed a draft at depth j+1
     wall_time_s: jax.Array  # [] host wall time of the call, compilation included
 
+    @classmethod
+    def zeros(cls, batch: int, max_depth: int) -> RolloutStats:
+        """Counters before the first step (`jax.eval_shape(RolloutStats.zeros, ...)` for shapes)."""
+        i32 = jnp.int32
+        return cls(
+            target_forwards=jnp.zeros((), i32),
+            draft_forwards=jnp.zeros((), i32),
+            row_steps=jnp.zeros((batch,), i32),
+            tokens_generated=jnp.zeros((batch,), i32),
+            accepted_at=jnp.zeros((max_depth,), i32),
+            proposed_at=jnp.zeros((max_depth,), i32),
+            wall_time_s=jnp.zeros((), jnp.float32),
+        )
+
     @property
     def acceptance_length(self) -> float:
         """Tokens emitted per policy forward, over all rows (1.0 for plain decoding)."""
@@ -52,20 +66,16 @@ class RolloutStats:
         return float(np.sum(self.tokens_generated)) / max(steps, 1.0)
 
     @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed drafts, all depths together (0.0 without drafts)."""
+        proposed = float(np.sum(self.proposed_at))
+        return float(np.sum(self.accepted_at)) / max(proposed, 1.0)
+
+    @property
     def per_position_acceptance(self) -> np.ndarray:
-        """Fraction of proposals accepted at each draft depth 1..D."""
+        """[max_depth] fraction of proposals accepted at each draft depth 1..D."""
         proposed = np.asarray(self.proposed_at, np.float64)
         return np.asarray(self.accepted_at, np.float64) / np.maximum(proposed, 1.0)
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "acceptance_length": self.acceptance_length,
-            "per_position_acceptance": self.per_position_acceptance.tolist(),
-            "target_forwards": int(self.target_forwards),
-            "draft_forwards": int(self.draft_forwards),
-            "tokens_generated": int(np.sum(self.tokens_generated)),
-            "wall_time_s": float(self.wall_time_s),
-        }
 
 
 @jax.tree_util.register_dataclass
@@ -79,91 +89,52 @@ class Rollouts:
     stats: RolloutStats
 
 
-def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A list of token-id lists, or (array[B, P], lengths[B]), as a right-padded array + lengths."""
-    if isinstance(prompts, tuple) and len(prompts) == 2:
-        tokens = np.asarray(prompts[0], np.int32)
-        lengths = np.asarray(prompts[1], np.int32)
-        if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],):
-            raise ValueError(
-                f"prompts as (tokens, lengths) must be [batch, len] and [batch]; got "
-                f"{tokens.shape} and {lengths.shape}"
-            )
-        if np.any(lengths < 1) or np.any(lengths > tokens.shape[1]):
-            raise ValueError(
-                f"prompt lengths must be in [1, {tokens.shape[1]}]; got {lengths.tolist()}"
-            )
-        return tokens, lengths
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError(
-            "prompts must be a non-empty list of token-id lists or a (tokens, lengths) pair"
-        )
-    rows = [list(map(int, p)) for p in prompts]
-    empty = [i for i, r in enumerate(rows) if not r]
-    if empty:
-        raise ValueError(f"prompts {empty} are empty; every prompt needs at least one token")
-    width = max(len(r) for r in rows)
-    tokens = np.full((len(rows), width), pad_id, np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = r
-    return tokens, np.array([len(r) for r in rows], np.int32)
-
-
 def generate(
     policy: Policy,
-    prompts,
+    prompts,  # list of token-id lists, or (tokens [B, P] int, lengths [B] int)
     *,
-    drafter=None,
+    drafter: Drafter | None = None,
     sampling: SamplingConfig | None = None,
     max_new_tokens: int,
     key: jax.Array,
     stop_tokens: Sequence[int] = (),
     method: str = "replay",
-    rows: jax.Array | None = None,  # [batch] global rollout ids (position-keyed noise)
+    rows: jax.Array | None = None,  # [B] global rollout ids (position-keyed noise)
     pad_id: int = 0,
 ) -> Rollouts:
     """Sample continuations of `prompts` from `policy`, speculatively when `drafter` is set.
 
     With `method="replay"` (the default) and the same key, the tokens equal those of plain
     decoding (`drafter=None`) token for token, up to floating-point differences between a
-    one-token and a multi-token forward; every method is lossless in distribution.
+    one-token and a multi-token forward; every method is lossless in distribution
+    (`greedy` only at temperature 0). Every argument is checked on the host before anything
+    compiles; a SamplingConfig holding traced values cannot be.
     """
-    sampling = SamplingConfig() if sampling is None else sampling
+    args.check_policy(policy)
+    args.check_method(method)
+    sampling = args.check_sampling(sampling, method)
+    drafter = NoDrafter() if drafter is None else drafter
+    args.check_drafter(drafter, policy, method)
+    key = args.check_key(key)
+    max_new_tokens = args.check_positive_int("max_new_tokens", max_new_tokens)
+    vocab = policy.config.vocab_size
+    pad_id = args.check_token("pad_id", pad_id, vocab)
+    stops = args.check_stop_tokens(stop_tokens, vocab)
     tokens, prompt_lengths = pad_prompts(prompts, pad_id)
     batch, width = tokens.shape
-    vocab = policy.config.vocab_size
-    if method not in METHODS:
-        raise ValueError(f"method {method!r} is not one of {METHODS}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise ValueError(
             f"prompt token ids must be in [0, {vocab}); got min {tokens.min()}, max {tokens.max()}"
         )
-    bad_stops = [t for t in stop_tokens if not 0 <= int(t) < vocab]
-    if bad_stops:
-        raise ValueError(f"stop_tokens {bad_stops} are outside the vocabulary [0, {vocab})")
-    if drafter is not None:
-        drafter.check_compatible(policy)
-        if method == "rejection" and not drafter.supports_rejection:
-            raise ValueError(
-                f"method='rejection' needs sampled chain drafts with their probabilities; "
-                f"{type(drafter).__name__} with these settings does not provide them "
-                f"(use method='replay', which is lossless for any draft)"
-            )
-    num_nodes = 0 if drafter is None else drafter.num_nodes
     # Headroom: a verify step writes num_nodes + 1 cache slots past the root (k+1 for chains).
-    max_len = width + max_new_tokens + num_nodes + 1
+    max_len = width + max_new_tokens + drafter.num_nodes + 1
     limit = policy.config.max_position_embeddings
     if max_len > limit:
         raise ValueError(
             f"prompt length {width} + max_new_tokens {max_new_tokens} + draft headroom "
-            f"{num_nodes + 1} = {max_len} exceeds the policy's max_position_embeddings {limit}"
+            f"{drafter.num_nodes + 1} = {max_len} exceeds the policy's max_position_embeddings {limit}"
         )
-    rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
-    if rows.shape != (batch,):
-        raise ValueError(f"rows must have shape ({batch},); got {rows.shape}")
-    stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+    rows = args.check_rows(rows, batch)
 
     start = time.perf_counter()
     out = _generate_jit(
@@ -173,9 +144,9 @@ def generate(
         jnp.asarray(prompt_lengths),
         sampling,
         key,
-        stops,
-        rows,
-        max_new_tokens=int(max_new_tokens),
+        jnp.asarray(stops or [-1], jnp.int32),
+        jnp.asarray(rows, jnp.int32),
+        max_new_tokens=max_new_tokens,
         max_len=max_len,
         method=method,
         pad_id=pad_id,
@@ -199,8 +170,8 @@ class _LoopState:
 
 @partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id"))
 def _generate_jit(
-    policy,
-    drafter,
+    policy: Policy,
+    drafter: Drafter,
     prompt_tokens,  # [batch, width]
     prompt_lengths,  # [batch]
     sampling,
@@ -214,9 +185,7 @@ def _generate_jit(
     pad_id: int,
 ):
     batch, width = prompt_tokens.shape
-    num_nodes = 0 if drafter is None else drafter.num_nodes
-    max_depth = 0 if drafter is None else drafter.max_depth
-    capture = () if drafter is None else drafter.capture_layers
+    num_nodes, max_depth, capture = drafter.num_nodes, drafter.max_depth, drafter.capture_layers
 
     buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
     # Rows over the batch mesh axes, KV heads over tensor (no-ops outside jax.set_mesh).
@@ -233,24 +202,13 @@ def _generate_jit(
     _, captured, cache = policy.forward(
         prompt_tokens, pre_positions, cache, capture=capture
     )
-    draft_state = None
-    if drafter is not None:
-        draft_state = drafter.init_state(policy, batch, max_len)
-        next_tokens = jnp.roll(prompt_tokens, -1, axis=1)
-        draft_state = drafter.observe(
-            draft_state, policy, prompt_tokens, next_tokens, pre_positions, captured
-        )
-
-    zeros_b = jnp.zeros((batch,), jnp.int32)
-    stats = RolloutStats(
-        target_forwards=jnp.zeros((), jnp.int32),
-        draft_forwards=jnp.zeros((), jnp.int32),
-        row_steps=zeros_b,
-        tokens_generated=zeros_b,
-        accepted_at=jnp.zeros((max_depth,), jnp.int32),
-        proposed_at=jnp.zeros((max_depth,), jnp.int32),
-        wall_time_s=jnp.zeros((), jnp.float32),
-    )
+    draft_state = drafter.init_state(policy, batch, max_len)
+    draft_state = drafter.observe(draft_state, policy, Observation(
+        fed_tokens=prompt_tokens,
+        next_tokens=jnp.roll(prompt_tokens, -1, axis=1),
+        positions=pre_positions,
+        captured=captured,
+    ))
     state = _LoopState(
         buffer=buffer,
         logprobs=jnp.zeros((batch, max_len), jnp.float32),
@@ -258,11 +216,12 @@ def _generate_jit(
         done=jnp.zeros((batch,), bool),
         cache=cache,
         draft_state=draft_state,
-        stats=stats,
+        stats=RolloutStats.zeros(batch, max_depth),
     )
     budget_end = prompt_lengths + max_new_tokens  # [batch] exclusive end of generation
-
     draft_key = jax.random.split(key)[1]  # drafts never share the verifier's noise
+    # Forwards the drafter declares per step: one proposal, one observation.
+    draft_forwards_per_step = drafter.forwards_per_propose + drafter.forwards_per_observe
 
     def cond(s: _LoopState):
         return jnp.any(~s.done)
@@ -271,21 +230,14 @@ def _generate_jit(
         active = ~s.done
         root_pos = s.lengths - 1
         root = jnp.take_along_axis(s.buffer, root_pos[:, None], axis=1)  # [batch, 1]
-        if drafter is None:
-            tree = Tree.chain(jnp.zeros((batch, 0), jnp.int32))
-            draft_probs = None
-            draft_state = None
-            draft_forwards = 0
-        else:
-            ctx = DraftContext(
-                buffer=s.buffer,
-                lengths=s.lengths,
-                key=jax.random.fold_in(draft_key, s.stats.target_forwards),
-                sampling=sampling,
-                sampled=method == "rejection",
-            )
-            tree, draft_probs, draft_state = drafter.propose(s.draft_state, policy, ctx)
-            draft_forwards = drafter.forwards_per_propose
+        ctx = DraftContext(
+            buffer=s.buffer,
+            lengths=s.lengths,
+            key=jax.random.fold_in(draft_key, s.stats.target_forwards),
+            sampling=sampling,
+            sampled=method == "rejection",
+        )
+        tree, draft_probs, draft_state = drafter.propose(s.draft_state, policy, ctx)
         fed = jnp.concatenate([root, tree.tokens], axis=1)  # [batch, N+1]
         positions = tree.positions(root_pos)
         positions = jnp.where(active[:, None], positions, -1)
@@ -319,26 +271,22 @@ def _generate_jit(
 
         kept = jnp.where((offs < (num_accepted + 1)[:, None]) & active[:, None], path, -1)
         cache = compact(cache, kept, num_fed=num_nodes + 1, fed_mask=active)
-        if drafter is not None:
-            kept_idx = jnp.maximum(kept, 0)
-            kept_tokens = jnp.take_along_axis(fed, kept_idx, axis=1)
-            kept_pos = jnp.where(kept >= 0, root_pos[:, None] + offs, -1)
-            kept_captured = {
+        kept_idx = jnp.maximum(kept, 0)
+        draft_state = drafter.observe(draft_state, policy, Observation(
+            fed_tokens=jnp.take_along_axis(fed, kept_idx, axis=1),
+            next_tokens=emitted,
+            positions=jnp.where(kept >= 0, root_pos[:, None] + offs, -1),
+            captured={
                 layer: jnp.take_along_axis(h, kept_idx[..., None], axis=1)
                 for layer, h in captured.items()
-            }
-            draft_state = drafter.observe(
-                draft_state, policy, kept_tokens, emitted, kept_pos, kept_captured
-            )
-            drafter_obs = drafter.forwards_per_observe
-        else:
-            drafter_obs = 0
+            },
+        ))
 
         depth_ids = jnp.arange(max_depth, dtype=jnp.int32)[None, :]
         st = s.stats
         stats = RolloutStats(
             target_forwards=st.target_forwards + 1,
-            draft_forwards=st.draft_forwards + draft_forwards + drafter_obs,
+            draft_forwards=st.draft_forwards + draft_forwards_per_step,
             row_steps=st.row_steps + active.astype(jnp.int32),
             tokens_generated=st.tokens_generated + n_emit,
             # Drafts count as accepted only when emitted (not cut by a stop token or the budget).

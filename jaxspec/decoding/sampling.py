@@ -28,37 +28,55 @@ _PAIRWISE_MAX_VOCAB = 64
 class SamplingConfig:
     """Temperature, top-k and top-p as traced scalars: a new value never recompiles.
 
-    temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off. Python and
-    NumPy values are stored as float32 / int32 / float32 arrays and checked here; traced or
-    device values are taken as they are (checking them would need a device round trip).
+    temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off. Python, NumPy
+    and concrete jax.Array values are checked here (a device value costs one transfer) and
+    stored as float32 / int32 / float32 arrays. Values traced inside `jax.jit` cannot be
+    checked: they are used as given (a negative traced temperature acts as greedy, a traced
+    top_p <= 0 keeps only the top token), so check them before entering the trace.
     """
 
-    temperature: jax.Array | float = 1.0  # [] float32
-    top_k: jax.Array | int = 0  # [] int32
-    top_p: jax.Array | float = 1.0  # [] float32
+    temperature: jax.Array | float = 1.0  # [] float32, finite, >= 0
+    top_k: jax.Array | int = 0  # [] int32, >= 0
+    top_p: jax.Array | float = 1.0  # [] float32, in (0, 1]
 
     def __post_init__(self):
-        for name, dtype in (("temperature", jnp.float32), ("top_k", jnp.int32), ("top_p", jnp.float32)):
+        for name, dtype in _SETTING_DTYPES.items():
             value = getattr(self, name)
-            if isinstance(value, (bool, int, float, np.ndarray, np.generic)):
+            if isinstance(value, jax.core.Tracer):  # inside a trace: nothing to check
+                if value.dtype != dtype:
+                    object.__setattr__(self, name, value.astype(dtype))
+                continue
+            if isinstance(value, (bool, np.bool_, str, bytes, dict, list, set)):
+                raise TypeError(f"SamplingConfig.{name} must be a number; got {value!r} ({type(value).__name__})")
+            if isinstance(value, jax.Array) and value.is_fully_addressable:
                 host = np.asarray(value)
-                if host.ndim != 0:
-                    raise ValueError(f"SamplingConfig.{name} must be a scalar, got shape {host.shape}")
-                _check_setting(name, host.item())
+            elif isinstance(value, (int, float, np.ndarray, np.generic)):
+                host = np.asarray(value)
+            else:  # pytree plumbing (None, ShapeDtypeStruct, shardings...): not a setting
+                continue
+            if host.ndim != 0:
+                raise ValueError(f"SamplingConfig.{name} must be a scalar; got shape {host.shape}")
+            if host.dtype.kind not in "iuf":
+                raise TypeError(f"SamplingConfig.{name} must be a number; got {value!r} (dtype {host.dtype})")
+            _check_setting(name, host.item())
+            if not (isinstance(value, jax.Array) and value.dtype == dtype):
                 object.__setattr__(self, name, jnp.asarray(host, dtype))
-            elif isinstance(value, jax.Array) and value.dtype != dtype:
-                object.__setattr__(self, name, value.astype(dtype))
 
     @classmethod
     def greedy(cls) -> SamplingConfig:
         return cls(temperature=0.0)
 
 
+_SETTING_DTYPES = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32}
+
+
 def _check_setting(name: str, value) -> None:
+    """One ValueError naming the setting, its value and the valid range."""
+    finite = isinstance(value, int) or np.isfinite(value)
     valid = {
-        "temperature": (value >= 0, ">= 0 (0 means greedy)"),
-        "top_k": (value >= 0 and float(value) == int(value), "an integer >= 0 (0 means off)"),
-        "top_p": (0 < value <= 1, "in (0, 1] (1.0 means off)"),
+        "temperature": (finite and value >= 0, "a finite number >= 0 (0 means greedy)"),
+        "top_k": (isinstance(value, int) and 0 <= value < 2**31, "an integer >= 0 (0 means off)"),
+        "top_p": (finite and 0 < value <= 1, "in (0, 1] (1.0 means off)"),
     }[name]
     if not valid[0]:
         raise ValueError(f"SamplingConfig.{name}={value!r} is invalid: it must be {valid[1]}")

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxspec.models.cache import KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig, default_eagle3_layers
-from jaxspec.models.layers import MLP, Attention, RMSNorm, apply_rope, logical_param
+from jaxspec.models.layers import DecoderLayer, RMSNorm, logical_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,39 +53,23 @@ class Eagle3Config:
         return self.layer.vocab_size
 
 
-class Eagle3Module(nnx.Module):
+class Eagle3Module(DecoderLayer):
+    """The head IS one shared decoder layer with a 2H attention input (`embed_input`), plus
+    `fc` (fuses the target features), a final `norm`, and `lm_head` over the draft vocabulary.
+    Its params keep the served names: fc, input_layernorm, hidden_norm, self_attn, mlp, ..."""
+
     def __init__(self, cfg: Eagle3Config, rngs: nnx.Rngs):
         lc = cfg.layer
-        dtype = lc.param_dtype
-        h, eps = lc.hidden_size, lc.rms_norm_eps
+        dtype, h = lc.param_dtype, lc.hidden_size
         self.fc = logical_param(rngs, (3 * cfg.target_hidden_size, h), dtype, ("mlp", "embed"))
-        self.input_layernorm = RMSNorm(h, eps, dtype=dtype)
-        self.hidden_norm = RMSNorm(h, eps, dtype=dtype)
-        self.self_attn = Attention(lc, in_features=2 * h, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype)
-        self.mlp = MLP(h, lc.intermediate_size, dtype=dtype, rngs=rngs)
-        self.norm = RMSNorm(h, eps, dtype=dtype)
+        super().__init__(lc, embed_input=True, rngs=rngs)
+        self.norm = RMSNorm(h, lc.rms_norm_eps, dtype=dtype)
         self.lm_head = logical_param(rngs, (h, cfg.draft_vocab_size), dtype, ("embed", "vocab"))
         # Identity map until a vocabulary is chosen; not a Param, so optimizers skip it.
         self.d2t = nnx.Variable(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
 
     def fuse(self, features):  # [B,T,3*H_target] -> [B,T,H]
         return features @ self.fc[...]
-
-    def layer_input(self, embeds, hidden):  # [B,T,H] x2 -> [B,T,2H]: [norm(embedding); norm(hidden)]
-        return jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(hidden)], axis=-1)
-
-    def project(self, x, positions):  # [B,T,2H], [B,T] -> q [B,T,Hq,D], k, v [B,T,Hkv,D]
-        """q/k/v as the attention computes them (for the training-time-test unroll)."""
-        attn = self.self_attn
-        q = apply_rope(jnp.einsum("btf,fnd->btnd", x, attn.q_proj[...]), positions, attn.config)
-        k = apply_rope(jnp.einsum("btf,fnd->btnd", x, attn.k_proj[...]), positions, attn.config)
-        v = jnp.einsum("btf,fnd->btnd", x, attn.v_proj[...])
-        return q, k, v
-
-    def finish(self, residual, attn_heads):  # [B,T,H], [B,T,Hq,D] -> pre-norm hidden [B,T,H]
-        h = residual + jnp.einsum("btnd,ndh->bth", attn_heads, self.self_attn.o_proj[...])
-        return h + self.mlp(self.post_attention_layernorm(h))
 
     def logits(self, hidden):  # [..., H] -> float32 [..., draft_vocab]
         return (self.norm(hidden) @ self.lm_head[...]).astype(jnp.float32)
@@ -125,6 +109,14 @@ class Eagle3Head:
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return self.config.capture_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab_size
 
     @property
     def d2t(self) -> jax.Array:  # [draft_vocab]
@@ -184,13 +176,10 @@ class Eagle3Head:
         if fuse:
             hidden = m.fuse(hidden)
         valid, mask = new_token_mask(positions, mask)
-        s = cache.max_len
-        attn, k, v = m.self_attn(
-            m.layer_input(embeds.astype(dtype), hidden), jnp.maximum(positions, 0),
-            cache.k[0], cache.v[0], jnp.minimum(cache.lengths, s), mask,
+        out, k, v = m(  # the module is its decoder layer
+            hidden, jnp.maximum(positions, 0), cache.k[0], cache.v[0],
+            jnp.minimum(cache.lengths, cache.max_len), mask, embeds=embeds.astype(dtype),
         )
-        h = hidden + attn
-        out = h + m.mlp(m.post_attention_layernorm(h))
         return out, cache.append(0, k, v, valid).advance(valid)
 
     def logits(self, hidden):  # [..., H] -> float32 [..., draft_vocab]

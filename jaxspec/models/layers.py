@@ -111,10 +111,9 @@ def apply_rope(
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with optional QK-norm; attends to a cached prefix plus new tokens.
-
-    `in_features` is the width q/k/v project from (hidden_size by default; EAGLE-3 uses 2H).
-    All attention goes through `jaxspec.kernels.tree_attention` (config.attention_backend).
+    """GQA self-attention with optional QK-norm, in three steps: `project` (q/k/v, QK-norm,
+    RoPE), `attend` (through `jaxspec.kernels.tree_attention`, config.attention_backend) and
+    `output` (o_proj). `in_features` is the width q/k/v project from (H; EAGLE-3 uses 2H).
     """
 
     def __init__(self, config: ModelConfig, *, in_features: int | None = None, rngs: nnx.Rngs):
@@ -135,42 +134,73 @@ class Attention(nnx.Module):
             self.q_norm = None
             self.k_norm = None
 
-    def __call__(
+    def project(
         self,
         x,  # [B, T, in_features]
         positions,  # [B, T] int32
-        k_cache,  # [B, S, kv_heads, head_dim]
-        v_cache,  # [B, S, kv_heads, head_dim]
-        cache_lengths,  # [B] int32, <= S
-        mask,  # [B, T, T] bool: new token i may attend to new token j
-    ):
-        """Returns (out [B, T, H], k_new [B, T, kv_heads, head_dim], v_new) ; k_new is post-RoPE."""
+    ):  # -> q [B, T, heads, head_dim], k, v [B, T, kv_heads, head_dim]; q and k after QK-norm and RoPE
+        """The attention's inputs, as every caller (cached forward, TTT unroll) must compute them."""
         q = jnp.einsum("btf,fnd->btnd", x, self.q_proj[...])
         k = jnp.einsum("btf,fnd->btnd", x, self.k_proj[...])
         v = jnp.einsum("btf,fnd->btnd", x, self.v_proj[...])
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, positions, self.config)
-        k = apply_rope(k, positions, self.config)
-        out = tree_attention(
+        return apply_rope(q, positions, self.config), apply_rope(k, positions, self.config), v
+
+    def output(self, heads):  # [B, T, heads, head_dim] -> [B, T, H]
+        return jnp.einsum("btnd,ndh->bth", heads, self.o_proj[...])
+
+    def attend(
+        self,
+        q,  # [B, T, heads, head_dim] from `project`
+        k,  # [B, T, kv_heads, head_dim]
+        v,  # [B, T, kv_heads, head_dim]
+        k_cache,  # [B, S, kv_heads, head_dim]
+        v_cache,  # [B, S, kv_heads, head_dim]
+        cache_lengths,  # [B] int32, <= S
+        mask,  # [B, T, T] bool: new token i may attend to new token j
+    ):  # -> [B, T, heads, head_dim]
+        """New tokens over the cached prefix plus the new tokens the mask allows."""
+        return tree_attention(
             q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), cache_lengths, k, v, mask,
             backend=self.config.attention_backend,
         )
-        return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...]), k, v
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """The one decoder layer of the project: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        dtype = config.param_dtype
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(config, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, dtype=dtype
-        )
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
+    The policy stacks it; the MTP head runs one; the EAGLE-3 head is one with
+    `embed_input=True`: its attention then reads [input_layernorm(embedding); hidden_norm(x)]
+    (2H wide) while x stays the residual. `attention_input`, `self_attn.project` and
+    `finish` are its halves, for callers with their own attention pattern (the TTT loss).
+    """
+
+    def __init__(self, config: ModelConfig, *, embed_input: bool = False, rngs: nnx.Rngs):
+        dtype, h, eps = config.param_dtype, config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps=eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(h, eps=eps, dtype=dtype) if embed_input else None
+        self.self_attn = Attention(config, in_features=2 * h if embed_input else h, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps, dtype=dtype)
+        self.mlp = MLP(h, config.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def attention_input(
+        self,
+        x,  # [B, T, H] the residual stream
+        embeds=None,  # [B, T, H] token embeddings (embed_input layers only)
+    ):  # -> [B, T, H] or [B, T, 2H]
+        if self.hidden_norm is None:
+            return self.input_layernorm(x)
+        return jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(x)], axis=-1)
+
+    def finish(
+        self,
+        x,  # [B, T, H] the residual stream
+        heads,  # [B, T, heads, head_dim] attention output before o_proj
+    ):  # -> [B, T, H] the layer's output
+        x = x + self.self_attn.output(heads)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def __call__(
         self,
@@ -180,11 +210,11 @@ class DecoderLayer(nnx.Module):
         v_cache,  # [B, S, kv_heads, head_dim]
         cache_lengths,  # [B]
         mask,  # [B, T, T] bool
+        embeds=None,  # [B, T, H] token embeddings (embed_input layers only)
     ):
         """Returns (x_out [B, T, H], k_new [B, T, kv_heads, head_dim], v_new)."""
-        attn, k, v = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, cache_lengths, mask
-        )
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k, v
+        if (embeds is None) != (self.hidden_norm is None):
+            raise ValueError("embeds is required by (and only by) a layer built with embed_input=True")
+        q, k, v = self.self_attn.project(self.attention_input(x, embeds), positions)
+        heads = self.self_attn.attend(q, k, v, k_cache, v_cache, cache_lengths, mask)
+        return self.finish(x, heads), k, v

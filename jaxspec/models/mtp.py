@@ -71,6 +71,14 @@ class MTPHead:
     def capture_layers(self) -> tuple[int, ...]:
         return self.config.capture_layers
 
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def draft_vocab_size(self) -> int:  # drafts over the policy's whole vocabulary
+        return self.config.vocab_size
+
     def check_compatible(self, policy) -> None:
         pc, lc = policy.config, self.config.layer
         problems = []

@@ -15,33 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.models.cache import CacheOverflowError, KVCache, compact, new_token_mask
-from jaxspec.models.config import ModelConfig, default_eagle3_layers
-from jaxspec.models.layers import (
-    INIT_STD,
-    MLP,
-    Attention,
-    DecoderLayer,
-    RMSNorm,
-    apply_rope,
-    logical_param,
-)
+from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.layers import INIT_STD, DecoderLayer, RMSNorm, logical_param
 
-# Building blocks re-exported for modules that import them from here (the EAGLE-3 head).
-__all__ = [
-    "MLP",
-    "Attention",
-    "CacheOverflowError",
-    "DecoderLayer",
-    "KVCache",
-    "Policy",
-    "RMSNorm",
-    "Transformer",
-    "apply_rope",
-    "compact",
-    "default_eagle3_layers",
-    "param_path",
-]
+__all__ = ["Policy", "Transformer", "param_path"]
 
 
 # --------------------------------------------------------------------------- module

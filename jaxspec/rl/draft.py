@@ -58,7 +58,8 @@ def ttt_logits(head, params, embed_fn, features, tokens, valid, steps: int):
     for s in range(steps):
         nxt = jnp.roll(tokens, -(1 + s), axis=1)
         embeds = jax.lax.stop_gradient(embed_fn(nxt)).astype(dtype)
-        q, k, v = module.project(module.layer_input(embeds, hidden), base_pos + s)
+        # The head's own decoder layer, split around the TTT attention pattern.
+        q, k, v = module.self_attn.project(module.attention_input(hidden, embeds), base_pos + s)
         if s == 0:
             k0, v0 = k, v
         else:
@@ -109,11 +110,6 @@ def draft_loss(head, params, embed_fn, features, tokens, target_logits, loss_mas
         metrics[f"draft_acc_{s}"] = acc_s
     metrics["draft_loss"] = total
     return total, metrics
-
-
-def draft_optimizer(lr: float = 5e-5, *, b1: float = 0.9, b2: float = 0.95, weight_decay: float = 0.0, clip_norm: float = 0.5):
-    """AdamW with its own global-norm clip: the draft never shares a clip with the policy."""
-    return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
 def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, target_logits, loss_mask, cfg):

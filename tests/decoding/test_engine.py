@@ -65,8 +65,7 @@ def test_speculative_equals_plain(policy, drafters, stop_token, name, temperatur
     np.testing.assert_allclose(spec.logprobs, plain.logprobs, atol=1e-5)
     if temperature == 0.0:
         assert int(plain.lengths[0]) <= 6  # the stop token cut row 0 short
-    # Speculation must use fewer policy forwards than tokens whenever drafts get accepted.
-    assert spec.stats.acceptance_length >= 1.0
+    # Speculation never needs more policy forwards than plain decoding of the same tokens.
     assert int(spec.stats.target_forwards) <= int(plain.stats.target_forwards)
 
 
@@ -103,8 +102,10 @@ def test_acceptance_stats_closed_form(policy, drafters):
         np.testing.assert_array_equal(steps, np.ceil(12 / 4) * np.ones(3))
         assert r.stats.acceptance_length == pytest.approx(12 / 3)
         np.testing.assert_allclose(r.stats.per_position_acceptance, [1.0, 1.0, 1.0])
+        assert r.stats.acceptance_rate == 1.0
     plain = _plain(policy, 1.0)
-    assert plain.stats.acceptance_length == 1.0
+    assert plain.stats.acceptance_length == 1.0 and plain.stats.acceptance_rate == 0.0
+    assert plain.stats.per_position_acceptance.shape == (0,)
     np.testing.assert_array_equal(plain.stats.row_steps, plain.lengths)
 
 
@@ -127,33 +128,6 @@ def test_bf16_mismatch_rate_is_small(policy, drafters):
         assert agree_prefix.mean() / MAX_NEW >= 0.5
 
 
-def _ngram_numpy(history, k, min_n, max_n):
-    """Plain-python prompt lookup: latest earlier match of the longest suffix n-gram."""
-    L = len(history)
-    for n in range(max_n, min_n - 1, -1):
-        if L < n + 1:
-            continue
-        suffix = history[L - n :]
-        for j in range(L - n - 1, -1, -1):
-            if history[j : j + n] == suffix:
-                cont = history[j + n : j + n + k]
-                return cont + [history[-1]] * (k - len(cont))
-    return [history[-1]] * k
-
-
-def test_ngram_lookup_matches_python_reference():
-    rng = np.random.default_rng(0)
-    width, batch = 24, 16
-    buf = rng.integers(0, 4, size=(batch, width)).astype(np.int32)
-    lengths = rng.integers(1, width + 1, size=batch).astype(np.int32)
-    d = NGramDrafter(k=4, min_n=1, max_n=3)
-    ctx = DraftContext(jnp.asarray(buf), jnp.asarray(lengths), jax.random.key(0), SamplingConfig(), False)
-    tree, _, _ = d.propose(None, None, ctx)
-    for b in range(batch):
-        want = _ngram_numpy(buf[b, : lengths[b]].tolist(), 4, 1, 3)
-        assert np.asarray(tree.tokens[b]).tolist() == want, b
-
-
 def test_bad_inputs_fail_before_compiling(policy):
     with pytest.raises(ValueError, match="draft length k must be an int >= 1; got 0"):
         NGramDrafter(k=0)
@@ -171,7 +145,7 @@ def test_bad_inputs_fail_before_compiling(policy):
     small_head = Eagle3Head.init_for(policy, 2, jax.random.key(1))
     with pytest.raises(ValueError, match=r"TreeSpec.top_k 3 exceeds the head's draft vocabulary \(2 tokens\)"):
         generate(policy, PROMPTS, drafter=Eagle3Drafter(small_head, tree=TreeSpec(3, 2, 4)), max_new_tokens=4, key=KEY)
-    with pytest.raises(ValueError, match="TreeSpec.budget 40 exceeds"):
+    with pytest.raises(ValueError, match=r"TreeSpec.budget=40 is invalid: it must be in \[depth, nodes expanded\] = \[2, 6\]"):
         TreeSpec(top_k=2, depth=2, budget=40)
 
 

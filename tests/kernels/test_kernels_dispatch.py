@@ -21,9 +21,8 @@ def _inputs(b=2, n=3, hq=4, hkv=2, d=8, s=5):
 
 
 def test_unknown_backend_names_the_valid_ones():
-    with pytest.raises(ValueError, match="'cuda'.*auto, reference, pallas, triton"):
+    with pytest.raises(ValueError, match="'cuda'.*" + ", ".join(BACKENDS)):
         tree_attention(*_inputs(), backend="cuda")
-    assert BACKENDS == ("auto", "reference", "pallas", "triton")
 
 
 def test_triton_off_gpu_is_a_clear_error():

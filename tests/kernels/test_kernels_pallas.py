@@ -56,8 +56,12 @@ def test_pallas_node_blocks_and_odd_shapes():
     assert rel_err(out, reference(*args)) <= TOL["float32"]
 
 
-def test_dispatcher_pallas_and_gradients():
-    """backend='pallas' interprets off-GPU; its VJP is the reference's."""
+def test_pallas_backend_differentiates_through_the_reference_vjp():
+    """backend='pallas' interprets off-GPU. Kernel backends have no backward of their own: their
+    custom VJP recomputes the reference's (jaxspec/kernels/__init__.py). So this checks the
+    wiring (pallas forward, reference backward, argument order), not a kernel backward; the
+    reference's gradient itself is checked against finite differences in
+    test_kernels_reference.py."""
     x = make_inputs(5, batch=2, max_len=16, nodes=3, q_heads=4, kv_heads=2, head_dim=16)
     args = _args(x, "float32")
 

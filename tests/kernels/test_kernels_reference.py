@@ -1,6 +1,7 @@
 """The jnp reference against an independent per-query numpy softmax."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from kernel_cases import ARG_ORDER, make_inputs, numpy_reference, rel_err
 
@@ -55,3 +56,37 @@ def test_reference_is_gqa_of_repeated_heads():
     out = reference(*args)
     want = reference(*[mha[k] for k in ARG_ORDER])
     assert rel_err(out, want) < 1e-6
+
+
+def test_reference_gradient_matches_float64_finite_differences():
+    """jax.grad of the reference (the backward every backend uses) against central finite
+    differences of the independent float64 numpy attention, along random directions."""
+    x = make_inputs(2, batch=3, max_len=6, nodes=4, q_heads=4, kv_heads=2, head_dim=8)
+    args = [x[k] for k in ARG_ORDER]
+    float_ids = (0, 1, 2, 4, 5)  # q, k_cache, v_cache, k_new, v_new
+    weights = np.random.default_rng(3).standard_normal(np.shape(x["q"]))
+
+    def loss_np(*floats):
+        full = list(args)
+        for i, f in zip(float_ids, floats):
+            full[i] = f
+        return float(np.sum(weights * np.sin(numpy_reference(*full))))
+
+    def loss_jax(*floats):
+        full = list(args)
+        for i, f in zip(float_ids, floats):
+            full[i] = f
+        return jnp.sum(weights * jnp.sin(tree_attention_reference(*full)))
+
+    floats = [np.asarray(args[i], np.float64) for i in float_ids]
+    grads = jax.jit(jax.grad(loss_jax, argnums=range(5)))(*[jnp.asarray(f, jnp.float32) for f in floats])
+    rng = np.random.default_rng(4)
+    for which, grad in enumerate(grads):
+        for _ in range(3):
+            direction = rng.standard_normal(floats[which].shape)
+            eps = 1e-5
+            plus = [f + eps * direction if i == which else f for i, f in enumerate(floats)]
+            minus = [f - eps * direction if i == which else f for i, f in enumerate(floats)]
+            numeric = (loss_np(*plus) - loss_np(*minus)) / (2 * eps)
+            analytic = float(np.sum(np.asarray(grad, np.float64) * direction))
+            assert abs(analytic - numeric) <= 1e-4 * max(1.0, abs(numeric)), (which, analytic, numeric)

@@ -1,0 +1,124 @@
+"""What the rollout engine asks of a drafter, and what a head drafter asks of a draft head.
+
+Both are `typing.Protocol`s: any pytree with these members works, no base class needed.
+Shapes: B batch rows, M observed entries per row, N tree nodes, V the policy's vocabulary,
+C a head's draft vocabulary, H hidden size, F a head's input feature width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.tree import Tree
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftContext:
+    """What the engine tells a drafter at each proposal (lives inside one trace only)."""
+
+    buffer: jax.Array  # [B, max_len] committed tokens (prompt + generated)
+    lengths: jax.Array  # [B] committed count; the root is at lengths - 1
+    key: jax.Array  # PRNG key for sampled drafts
+    sampling: SamplingConfig
+    sampled: bool  # draw drafts from q and return q (rejection method) instead of argmax
+
+    @property
+    def root(self) -> jax.Array:  # [B]
+        return jnp.take_along_axis(self.buffer, (self.lengths - 1)[:, None], axis=1)[:, 0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What the policy has just committed: after the prompt prefill and after each verify step.
+
+    Entry j of row b is the token `fed_tokens[b, j]` at `positions[b, j]` (< 0: padding),
+    followed in the sequence by `next_tokens[b, j]`; `captured[layer][b, j]` is the policy's
+    hidden state there (only the layers the drafter named in `capture_layers`).
+    """
+
+    fed_tokens: jax.Array  # [B, M] int32
+    next_tokens: jax.Array  # [B, M] int32
+    positions: jax.Array  # [B, M] int32, < 0 marks padding
+    captured: dict[int, jax.Array]  # {layer: [B, M, H]}
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes a draft tree per row each step; a pytree, so it passes through `jax.jit`.
+
+    The static members size the compiled loop; the engine counts forwards from the declared
+    costs (a drafter never counts anything itself).
+    """
+
+    @property
+    def num_nodes(self) -> int: ...  # N: tree nodes per proposal (0: plain decoding)
+
+    @property
+    def max_depth(self) -> int: ...  # D: the deepest node of any proposal
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]: ...  # policy layers `observe` needs
+
+    @property
+    def supports_rejection(self) -> bool: ...  # can sample chains and return q (method="rejection")
+
+    @property
+    def forwards_per_propose(self) -> int: ...  # declared cost: draft forwards per proposal
+
+    @property
+    def forwards_per_observe(self) -> int: ...  # declared cost: draft forwards per observation
+
+    def check_compatible(self, policy) -> None:
+        """Host-side check against the policy before anything compiles; raises ValueError."""
+
+    def init_state(self, policy, batch: int, max_len: int) -> Any:
+        """The drafter's own state (a pytree, or None)."""
+
+    def observe(self, state, policy, obs: Observation) -> Any:
+        """Absorb what the policy committed; returns the new state."""
+
+    def propose(self, state, policy, ctx: DraftContext) -> tuple[Tree, jax.Array | None, Any]:
+        """-> (tree [B, N] after each row's root, draft_probs [B, N, V] (ctx.sampled) or None, state)."""
+
+
+@runtime_checkable
+class DraftHead(Protocol):
+    """A small network on the policy's hidden states (EAGLE-3, MTP) that `Eagle3Drafter` and
+    `MTPDrafter` run, one decoder layer per draft step."""
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]: ...  # policy layers whose outputs it reads
+
+    @property
+    def hidden_size(self) -> int: ...  # H of the head's own output
+
+    @property
+    def draft_vocab_size(self) -> int: ...  # C: candidates per draft step
+
+    def check_compatible(self, policy) -> None:
+        """Raises ValueError naming every mismatch with the policy."""
+
+    def init_cache(self, batch: int, max_len: int) -> Any:
+        """An empty KVCache for the head's layer."""
+
+    def forward(
+        self,
+        embeds,  # [B, T, H] policy embeddings of the tokens that follow each entry
+        hidden,  # [B, T, F] captured policy features (fuse=True) or the head's own output [B, T, H]
+        positions,  # [B, T] int32, < 0 marks padding
+        cache,
+        *,
+        mask=None,  # [B, T, T] bool among the new entries; default causal
+        fuse: bool,
+    ) -> tuple[jax.Array, Any]:
+        """-> (pre-norm hidden [B, T, H], cache with the new entries appended)."""
+
+    def draft_logits(self, hidden, policy) -> tuple[jax.Array, jax.Array | None]:
+        """hidden [..., H] -> (float32 logits [..., C], target ids [C] of the candidates, or None
+        when the candidates are the policy's vocabulary itself)."""
