@@ -6,10 +6,9 @@ section is the library's class or derived from it: `grpo` is `rl.grpo.GRPOConfig
 `draft.tree` is `decoding.drafters.TreeSpec`; `model` holds `models.config.ModelConfig`'s
 fields (defaults: its tiny preset with 4 layers and a 256-slot cache) and is checked by
 building one; `draft.ngram` takes defaults and checks from `NGramDrafter`; `sampling` takes
-its defaults from `decoding.sampling.SamplingConfig`, which checks the values in
-`rl.plan.prepare_run` (building one puts arrays on a device, which must wait for
-`parallel.initialize_distributed`); `mesh` takes axes, sizes and rules from `parallel`
-(`make_mesh`'s defaults, `DEFAULT_RULES`, `check_mesh_sizes`, `resolve_rules`). The
+its defaults and checks from `decoding.sampling.SamplingConfig` (its host-side
+`check_settings`, so loading a file touches no device); `mesh` takes axes, sizes and
+rules from `parallel` (`make_mesh`'s defaults, `DEFAULT_RULES`, `check_mesh_sizes`, `resolve_rules`). The
 trainer-only sections (rollout, optim, warmup, task, run, async) are defined here.
 
 A library class raises ValueError naming its field (`TreeSpec.budget ...`); the loader turns
@@ -503,16 +502,20 @@ def draft_headroom(draft: DraftSpec) -> int:
 @dataclasses.dataclass(frozen=True)
 class SamplingSpec(_Section):
     """The rollout sampling distribution (traced at run time; changing it never recompiles).
-    Defaults are `SamplingConfig`'s; it checks the ranges in `prepare_run`."""
+    Defaults and range checks are `SamplingConfig`'s (its host-side `check_settings`)."""
 
     temperature: float = _library_default("SamplingConfig", "temperature")  # 0 = greedy
     top_k: int = _library_default("SamplingConfig", "top_k")  # 0 = off
     top_p: float = _library_default("SamplingConfig", "top_p")  # 1.0 = off
 
+    def _validate(self):  # SamplingConfig's own checks, on the host values (no device work)
+        self._library_check(lambda: importlib.import_module("jaxspec.decoding.sampling")
+                            .check_settings(self.temperature, self.top_k, self.top_p))
+
     def sampling_config(self):
-        """The `SamplingConfig` (device scalars; it checks the values)."""
-        return self._library_check(lambda: _lib("SamplingConfig")(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p))
+        """The `SamplingConfig` (device scalars)."""
+        return _lib("SamplingConfig")(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
 @dataclasses.dataclass(frozen=True)

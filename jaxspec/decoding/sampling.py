@@ -70,6 +70,13 @@ class SamplingConfig:
 _SETTING_DTYPES = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32}
 
 
+def check_settings(temperature, top_k, top_p) -> None:
+    """SamplingConfig's checks on plain host values, with no device work (the config layer
+    runs them when a file is loaded, before any device or compile)."""
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        _check_setting(name, value)
+
+
 def _check_setting(name: str, value) -> None:
     """One ValueError naming the setting, its value and the valid range."""
     finite = isinstance(value, int) or np.isfinite(value)

@@ -29,10 +29,18 @@ __all__ = ["HFTokenizer", "RunPlan", "prepare_run"]
 class HFTokenizer:
     """The `CharTokenizer` interface over a local `transformers` tokenizer (no downloads)."""
 
+    # The files one of which a transformers tokenizer is built from (fast, BPE, sentencepiece).
+    FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
+        if not any(os.path.isfile(os.path.join(path, f)) for f in self.FILES):
+            raise ValueError(f"{path} has no tokenizer files (one of {', '.join(self.FILES)}); "
+                             "copy them beside config.json")
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if len(self._tok) == 0:
+            raise ValueError(f"the tokenizer in {path} is empty")
         if self._tok.eos_token_id is None:
             raise ValueError(f"the tokenizer in {path} has no EOS token (rollouts need one to stop)")
 
@@ -89,6 +97,19 @@ def _read_json(path: str, key: str) -> dict:
                           "a local HF directory with a valid config.json") from None
 
 
+def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
+    """The directory's ModelConfig, with its config.json, safetensors headers, tensor names
+    and shapes checked (no weights read): any problem is one ConfigError on `key`."""
+    from jaxspec.models.hf import inspect_hf
+
+    try:
+        return inspect_hf(path, dtype, attention_backend=backend)
+    except (OSError, ValueError) as e:  # HFCheckpointError, UnsupportedModelError, missing files
+        raise ConfigError(key, path, str(e),
+                          "a local HF Qwen3/Llama directory with config.json and complete "
+                          "*.safetensors") from None
+
+
 def _tiny_model_config(spec, vocab: int) -> ModelConfig:
     return spec.model_config(vocab)  # the schema built and checked the same ModelConfig
 
@@ -111,10 +132,6 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     if d.kind == "mtp":
         raise ConfigError("draft.kind", "mtp", "the GRPO trainer has no MTP training loss",
                           "'eagle3', 'draft_model', 'ngram' or 'none'")
-    try:  # sampling settings: SamplingConfig checks them (its arrays need the devices)
-        cfg.sampling.sampling_config()
-    except ConfigError as e:
-        raise e.under("sampling") from None
     try:  # a named attention kernel this platform cannot run
         resolve_backend(cfg.model.attention_backend)
     except ValueError as e:
@@ -129,14 +146,8 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                           "a JSONL file of {\"prompt\", \"answer\"} lines") from None
     # The policy's architecture and the tokenizer.
     if cfg.model.hf_path is not None:
-        from jaxspec.models.hf import config_from_hf
-
-        hf = _read_json(cfg.model.hf_path, "model.hf_path")
-        try:
-            model_config = config_from_hf(hf, dtype=cfg.model.dtype,
-                                          attention_backend=cfg.model.attention_backend)
-        except ValueError as e:
-            raise ConfigError("model.hf_path", cfg.model.hf_path, str(e)) from None
+        model_config = _inspect_hf("model.hf_path", cfg.model.hf_path, cfg.model.dtype,
+                                   cfg.model.attention_backend)
     else:
         model_config = None
     tokenizer = task.tokenizer
@@ -205,10 +216,11 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     draft_model_config = None
     if d.kind == "draft_model":
         if d.hf_path is not None:
-            hf = _read_json(d.hf_path, "draft.hf_path")
-            if hf.get("vocab_size") != vocab:
+            small = _inspect_hf("draft.hf_path", d.hf_path, cfg.model.dtype,
+                                cfg.model.attention_backend)
+            if small.vocab_size != vocab:
                 raise ConfigError("draft.hf_path", d.hf_path,
-                                  f"the draft model's vocabulary ({hf.get('vocab_size')}) does "
+                                  f"the draft model's vocabulary ({small.vocab_size}) does "
                                   f"not match the policy's ({vocab})",
                                   "a draft model with the policy's tokenizer")
         else:
