@@ -15,29 +15,22 @@ from jaxspec.models.hf import (
     save_hf,
     special_tokens,
 )
-from jaxspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm, apply_rope, rope_inv_freq
 from jaxspec.models.transformer import Policy, Transformer
 
 __all__ = [
-    "MLP",
-    "Attention",
     "CacheOverflowError",
-    "DecoderLayer",
     "HFCheckpointError",
     "KVCache",
     "Llama3RopeScaling",
     "ModelConfig",
     "Policy",
-    "RMSNorm",
     "SpecialTokens",
     "Transformer",
     "UnsupportedModelError",
-    "apply_rope",
-    "inspect_hf",
     "compact",
     "default_eagle3_layers",
+    "inspect_hf",
     "load_hf",
-    "rope_inv_freq",
     "save_hf",
     "special_tokens",
 ]

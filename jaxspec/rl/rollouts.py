@@ -75,7 +75,7 @@ def encode_prompts(tokenizer, texts: Sequence[str], prompt_len: int
 
 def make_drafter(draft_cfg, tree, head=None, draft_model=None):
     """The drafter of `draft.kind` over the given (generation-side) head or draft model;
-    None for plain decoding."""
+    `NoDrafter` (the empty tree) for plain decoding."""
     d = draft_cfg
     if d.kind == "eagle3":
         return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree)
@@ -83,7 +83,11 @@ def make_drafter(draft_cfg, tree, head=None, draft_model=None):
         return drafters_lib.DraftModelDrafter(draft_model, k=d.k)
     if d.kind == "ngram":
         return drafters_lib.NGramDrafter(k=d.k, min_n=d.ngram.min_n, max_n=d.ngram.max_n)
-    return None
+    return drafters_lib.NoDrafter()
+
+
+def _speculates(drafter) -> bool:
+    return drafter.num_nodes > 0
 
 
 class RolloutWorker:
@@ -138,8 +142,8 @@ class RolloutWorker:
         with timer.stage("generation") as s:
             out = s.ready(self.generate(policy, drafter, state.key, step, prompts, lengths))
         plain_time, identical = math.nan, math.nan
-        if compare and drafter is not None:
-            plain = self.generate(policy, None, state.key, step, prompts, lengths)
+        if compare and _speculates(drafter):
+            plain = self.generate(policy, drafters_lib.NoDrafter(), state.key, step, prompts, lengths)
             plain_time = float(plain.stats.wall_time_s)
             identical = float(np.mean(np.all(
                 (np.asarray(plain.tokens) == np.asarray(out.tokens)), axis=1)
@@ -161,6 +165,6 @@ class RolloutWorker:
         _, prompts, lengths = self.prompts(state.completed)
         policy, drafter = self.sync_weights(*state.models)
         self.generate(policy, drafter, state.key, 0, prompts, lengths)
-        if drafter is not None and self.cfg.run.compare_plain:
-            self.generate(policy, None, state.key, 0, prompts, lengths)
+        if _speculates(drafter) and self.cfg.run.compare_plain:
+            self.generate(policy, drafters_lib.NoDrafter(), state.key, 0, prompts, lengths)
         self._compiled = True
