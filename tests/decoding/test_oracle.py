@@ -74,3 +74,27 @@ def test_oracle_rejects_bad_settings(setup):
     wrong = OracleDrafter(np.zeros((4, 8), np.int32), (1.0,), vocab_size=7)
     with pytest.raises(ValueError, match="vocab_size 7"):
         generate(policy, (tokens, lengths), drafter=wrong, **common)
+
+
+def test_bench_rollout_oracle_mode(tmp_path):
+    """scripts/bench_rollout.py --oracle on a config's random policy: one row per (batch, k)
+    with speedup, tau, verify cost, bound and efficiency; perfect drafts emit k+1 per forward."""
+    import importlib.util
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_rollout", root / "scripts" / "bench_rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.json"
+    assert bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.0",
+                       "--ks", "2", "--batches", "2", "--max-new-tokens", "9", "--rounds", "1",
+                       "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tokens_equal_plain"] and (row["batch"], row["k"]) == (2, 2)
+    assert row["tau"] <= 3.0 and row["target_forwards"] <= 3  # ceil(9 / (k + 1)) forwards
+    assert row["bound"] == pytest.approx(row["tau"] / row["verify_cost"])
+    assert row["efficiency"] == pytest.approx(row["speedup"] / row["bound"])
+    with pytest.raises(SystemExit, match="--oracle"):
+        bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.5"])
