@@ -1,13 +1,26 @@
 #!/usr/bin/env python
-"""Plain vs speculative rollouts on the same prompts and key, per drafter and draft length.
+"""Plain vs speculative rollouts on the same prompts and key, per drafter and draft length,
+against the bound tau * c(1) / c(k+1).
 
-    python scripts/bench_rollout.py --policy RUN/policy --eagle3 RUN/eagle3 --ks 1,2,3,4,5,6,7
+    python scripts/bench_rollout.py --policy RUN/policy --eagle3 RUN/eagle3 --ks 1,3,5
+    python scripts/bench_rollout.py --config configs/small.yaml --oracle 1.0 --ks 1,3,5 --batches 1,4,16
+    python scripts/bench_rollout.py --policy HF_DIR --tokenizer HF_DIR --prompts p.jsonl --oracle 0.8
 
-The policy is a local HF directory (save_hf / any Qwen3 or Llama-3 checkpoint); the EAGLE-3
-head a local directory in the vLLM/SGLang layout (save_eagle3). Prompts come from a built-in
-task (held-out positions). Every configuration is compiled once, then timed `--repeats`
-times (the minimum is kept); plain decoding is timed in the same run, so the table reports
-ratios, not lone times. Prints a table and writes JSON.
+The policy is a local HF directory (save_hf / any Qwen3 or Llama-3 checkpoint), or the
+tiny model of a config file with random weights (`--config`). Prompts come from a built-in
+task at held-out positions (character tokenizer), or from a JSONL file of {"prompt": ...}
+lines with the policy's HF tokenizer (`--tokenizer`, `--prompts`).
+
+Timing: every configuration is compiled first, then plain and speculative generation are
+timed alternately (A/B/A/B, `--rounds` rounds) and the row reports the median of the
+per-round plain/spec ratios, so load on a shared machine cancels. The verify cost ratio
+c(k+1)/c(1) is measured the same way, timing one policy forward of k+1 tokens against one
+of 1 token on a cache holding the prompt and half of the longest completion.
+
+`--oracle A` replaces the drafters by the oracle drafter (jaxspec.decoding.oracle): drafts
+are the plain rollout's own tokens, the one at depth j corrupted with probability 1 - A_j
+(A: one rate for every depth, or a comma list per depth). It measures the engine, not the
+draft: efficiency = speedup / bound, with tau the measured tokens per policy forward.
 """
 
 from __future__ import annotations
@@ -15,38 +28,50 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
-from jaxspec.decoding.engine import generate
-from jaxspec.models import load_hf
+from jaxspec.decoding.engine import generate, pad_prompts
+from jaxspec.decoding.oracle import oracle_drafter
+from jaxspec.models import Policy, load_hf
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
 from jaxspec.models.mtp import MTPHead
 from jaxspec.rl.tasks import CharTokenizer, make_task
 
 HELDOUT = 1_000_000  # task positions from here on are never used for training
+DRAFTERS = ("eagle3", "eagle3_untrained", "eagle3_tree", "ngram", "draft_model", "mtp_untrained")
 
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policy", required=True, help="local HF directory of the policy")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--policy", help="local HF directory of the policy")
+    src.add_argument("--config", help="a config file whose tiny model (random weights) is the policy")
     p.add_argument("--eagle3", help="local EAGLE-3 head directory (vLLM/SGLang layout)")
     p.add_argument("--draft-model", help="local HF directory of a small draft model (same tokenizer)")
-    p.add_argument("--drafters", default="eagle3,ngram", help="comma list of eagle3, eagle3_untrained (a fresh head over the same draft vocabulary: the control), eagle3_tree, ngram, draft_model, mtp_untrained")
-    p.add_argument("--ks", default="1,2,3,4,5,6,7", help="draft lengths to sweep")
+    p.add_argument("--drafters", default="eagle3,ngram", help="comma list of " + ", ".join(DRAFTERS)
+                   + " (eagle3_untrained: a fresh head over the same draft vocabulary, the control)")
+    p.add_argument("--oracle", help="oracle drafter instead of --drafters: an acceptance rate for "
+                   "every depth, or a comma list of per-depth rates")
+    p.add_argument("--ks", default="1,3,5", help="draft lengths to sweep")
+    p.add_argument("--batches", default=None, help="comma list of batch sizes (default: --num-prompts)")
     p.add_argument("--tree", default="4,3,8", help="top_k,depth,budget for eagle3_tree")
-    p.add_argument("--task", default="arithmetic")
+    p.add_argument("--task", default="worked_addition")
     p.add_argument("--task-params", default="{}", help="JSON dict of task parameters")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--tokenizer", help="local HF tokenizer directory (with --prompts)")
+    p.add_argument("--prompts", help="JSONL file of {\"prompt\": str} lines (needs --tokenizer)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=168)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--method", default="replay", choices=["replay", "greedy", "rejection"])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_rollout.json", help="where to write the results")
     p.add_argument("--calibration-out", help="write the first drafter's k=3 acceptance as a "
@@ -54,82 +79,184 @@ def _parse(argv=None):
     return p.parse_args(argv)
 
 
-def _time(fn, repeats):
-    out = fn()  # compile + warm
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return out, best
+def _interleaved(fns: dict, rounds: int) -> dict:
+    """Seconds per call of each fn, timed alternately: {name: [round 1, round 2, ...]}."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _median_ratio(num, den) -> float:
+    return float(statistics.median(a / b for a, b in zip(num, den, strict=True)))
+
+
+def _policy(args):
+    if args.policy:
+        return load_hf(args.policy)
+    from jaxspec.config import load_config
+    from jaxspec.rl.trainer import prepare_run
+
+    plan = prepare_run(load_config(args.config))
+    return Policy.init(plan.model_config, jax.random.key(args.seed))
+
+
+def _prompts(args, vocab: int):
+    """(token-id lists, tokenizer) for the benchmark prompts."""
+    if args.prompts or args.tokenizer:
+        if not (args.prompts and args.tokenizer):
+            raise SystemExit("--prompts and --tokenizer go together (a JSONL file and its tokenizer)")
+        from jaxspec.rl.trainer import HFTokenizer
+
+        tok = HFTokenizer(args.tokenizer)
+        with open(args.prompts, encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        bad = [i for i, r in enumerate(rows, 1) if not isinstance(r, dict) or not isinstance(r.get("prompt"), str)]
+        if bad or not rows:
+            raise SystemExit(f"--prompts {args.prompts}: lines {bad[:5]} lack a string \"prompt\"" if bad
+                             else f"--prompts {args.prompts} is empty")
+        texts = [r["prompt"] for r in rows]
+    else:
+        tok = CharTokenizer()
+        task = make_task(args.task, seed=args.seed, **json.loads(args.task_params))
+        texts = [ex.prompt for ex in task.batch(HELDOUT, args.num_prompts)]
+    ids = [tok.encode(t, bos=tok.bos_id is not None) for t in texts]
+    if tok.vocab_size > vocab:
+        raise SystemExit(f"the tokenizer has {tok.vocab_size} ids; the policy's vocabulary {vocab}")
+    return ids, tok
+
+
+def _verify_cost(policy, batch: int, context: int, ks, rounds: int, reps: int = 20) -> dict:
+    """{k: median over rounds of c(k+1)/c(1)}: policy forwards of k+1 tokens vs 1 token per
+    row on a cache holding `context` tokens, `reps` of them in one compiled loop (as inside
+    the engine, so per-call dispatch is not counted)."""
+    max_len = context + max(ks) + 2
+    cache = policy.init_cache(batch, max_len)
+    pre = jnp.zeros((batch, context), jnp.int32)
+    _, _, cache = policy.forward(pre, jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), pre.shape), cache)
+
+    @jax.jit
+    def loop(p, toks, pos, c):
+        def body(i, acc):  # feed what the last forward chose, so no forward is skipped
+            logits, _, _ = p.forward((toks + acc) % p.config.vocab_size, pos, c)
+            return jnp.argmax(logits[:, :1, :], axis=-1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, reps, body, jnp.zeros((batch, 1), jnp.int32))
+
+    fns = {}
+    for t in sorted({1} | {k + 1 for k in ks}):
+        toks = jnp.zeros((batch, t), jnp.int32)
+        pos = jnp.broadcast_to(context + jnp.arange(t, dtype=jnp.int32), (batch, t))
+        fns[t] = (lambda toks=toks, pos=pos: loop(policy, toks, pos, cache))
+        jax.block_until_ready(fns[t]())  # compile
+    times = _interleaved(fns, rounds)
+    return {k: _median_ratio(times[k + 1], times[1]) for k in ks}
+
+
+def _drafter(name, k, args, policy, head, small):
+    if name == "eagle3":
+        return Eagle3Drafter(head, k=k)
+    if name == "eagle3_untrained":
+        fresh = Eagle3Head.init_for(policy, head.config.draft_vocab_size, jax.random.key(7),
+                                    capture_layers=head.capture_layers)
+        return Eagle3Drafter(fresh.with_vocab(np.asarray(head.draft_to_target())), k=k)
+    if name == "eagle3_tree":
+        top_k, depth, budget = (int(x) for x in args.tree.split(","))
+        return Eagle3Drafter(head, tree=TreeSpec(top_k=top_k, depth=depth, budget=budget))
+    if name == "ngram":
+        return NGramDrafter(k=k, min_n=1, max_n=3)
+    if name == "draft_model":
+        return DraftModelDrafter(small, k=k)
+    return MTPDrafter(MTPHead.init_for(policy, jax.random.key(1)), k=k)
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     ks = [int(k) for k in args.ks.split(",") if k]
-    names = [d for d in args.drafters.split(",") if d]
-    valid = {"eagle3", "eagle3_untrained", "eagle3_tree", "ngram", "draft_model", "mtp_untrained"}
-    unknown = sorted(set(names) - valid)
-    if unknown:
-        raise SystemExit(f"--drafters {unknown} unknown; valid: {sorted(valid)}")
     if any(k < 1 for k in ks):
         raise SystemExit(f"--ks must be >= 1; got {ks}")
-    if ({"eagle3", "eagle3_tree", "eagle3_untrained"} & set(names)) and not args.eagle3:
-        raise SystemExit("--drafters eagle3/eagle3_tree/eagle3_untrained need --eagle3 DIR")
-    if "draft_model" in names and not args.draft_model:
-        raise SystemExit("--drafters draft_model needs --draft-model DIR")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
+    oracle = None
+    if args.oracle is not None:
+        try:
+            oracle = [float(a) for a in args.oracle.split(",")]
+        except ValueError:
+            raise SystemExit(f"--oracle {args.oracle!r}: rates in [0, 1], one or one per depth") from None
+        if not oracle or any(not 0 <= a <= 1 for a in oracle):
+            raise SystemExit(f"--oracle {args.oracle!r}: rates must lie in [0, 1]")
+        if len(oracle) > 1 and len(oracle) < max(ks):
+            raise SystemExit(f"--oracle gives {len(oracle)} per-depth rates; --ks needs {max(ks)}")
+        names = ["oracle"]
+    else:
+        names = [d for d in args.drafters.split(",") if d]
+        unknown = sorted(set(names) - set(DRAFTERS))
+        if unknown:
+            raise SystemExit(f"--drafters {unknown} unknown; valid: {list(DRAFTERS)}")
+        if ({"eagle3", "eagle3_tree", "eagle3_untrained"} & set(names)) and not args.eagle3:
+            raise SystemExit("--drafters eagle3/eagle3_tree/eagle3_untrained need --eagle3 DIR")
+        if "draft_model" in names and not args.draft_model:
+            raise SystemExit("--drafters draft_model needs --draft-model DIR")
 
-    policy = load_hf(args.policy)
-    tok = CharTokenizer()
-    task = make_task(args.task, seed=args.seed, **json.loads(args.task_params))
-    prompts = [tok.encode(ex.prompt, bos=True) for ex in task.batch(HELDOUT, args.num_prompts)]
-    sampling = SamplingConfig(temperature=args.temperature)
-    key = jax.random.key(args.seed)
-    common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, key=key,
-                  stop_tokens=(tok.eos_id,), method=args.method)
-
-    plain, plain_s = _time(lambda: generate(policy, prompts, **{**common, "method": "replay" if args.method == "rejection" else args.method}), args.repeats)
-    tokens = int(np.sum(plain.lengths))
-    rows = []
+    policy = _policy(args)
+    vocab = policy.config.vocab_size
+    ids, tok = _prompts(args, vocab)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [len(ids)]
     head = load_eagle3(args.eagle3) if args.eagle3 else None
     small = load_hf(args.draft_model) if args.draft_model else None
-    for name in names:
-        for k in ks if name != "eagle3_tree" else [None]:
-            if name == "eagle3":
-                drafter = Eagle3Drafter(head, k=k)
-            elif name == "eagle3_untrained":
-                fresh = Eagle3Head.init_for(policy, head.config.draft_vocab_size, jax.random.key(7),
-                                            capture_layers=head.capture_layers)
-                drafter = Eagle3Drafter(fresh.with_vocab(np.asarray(head.draft_to_target())), k=k)
-            elif name == "eagle3_tree":
-                top_k, depth, budget = (int(x) for x in args.tree.split(","))
-                drafter = Eagle3Drafter(head, tree=TreeSpec(top_k=top_k, depth=depth, budget=budget))
-            elif name == "ngram":
-                drafter = NGramDrafter(k=k, min_n=1, max_n=3)
-            elif name == "draft_model":
-                drafter = DraftModelDrafter(small, k=k)
-            else:
-                drafter = MTPDrafter(MTPHead.init_for(policy, jax.random.key(1)), k=k)
-            spec, spec_s = _time(lambda: generate(policy, prompts, drafter=drafter, **common), args.repeats)
-            same = bool(np.array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens)))
-            rows.append(dict(
-                drafter=name, k=k if k is not None else args.tree,
-                acceptance_length=spec.stats.acceptance_length,
-                per_position_acceptance=[round(x, 4) for x in spec.stats.per_position_acceptance.tolist()],
-                target_forwards=int(spec.stats.target_forwards),
-                spec_s=spec_s, plain_s=plain_s, speedup=plain_s / spec_s,
-                tokens_equal_plain=same,
-            ))
-            r = rows[-1]
-            print(f"{name:>14} k={str(r['k']):>6}  acc_len {r['acceptance_length']:.2f}  "
-                  f"spec {spec_s * 1e3:8.1f} ms  plain {plain_s * 1e3:8.1f} ms  "
-                  f"speedup {r['speedup']:.2f}x  same-as-plain {same}", flush=True)
+    sampling = SamplingConfig(temperature=args.temperature)
+    key = jax.random.key(args.seed)
+    plain_method = "replay" if args.method == "rejection" else args.method
+    rows = []
+    for batch in batches:
+        prompts = pad_prompts([ids[i % len(ids)] for i in range(batch)], tok.pad_id)
+        common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, key=key,
+                      stop_tokens=(tok.eos_id,), pad_id=tok.pad_id)
+        run_plain = lambda prompts=prompts, common=common: generate(policy, prompts, **common, method=plain_method)  # noqa: E731
+        plain = run_plain()  # compile
+        longest = int(np.max(plain.lengths))
+        cost = _verify_cost(policy, batch, int(prompts[0].shape[1]) + longest // 2, ks, args.rounds)
+        for name in names:
+            for k in ks if name != "eagle3_tree" else [None]:
+                if name == "oracle":
+                    acc = oracle * k if len(oracle) == 1 else oracle[:k]
+                    drafter = oracle_drafter(*prompts, plain.tokens, acc, vocab_size=vocab, seed=args.seed)
+                else:
+                    drafter = _drafter(name, k, args, policy, head, small)
+                run_spec = lambda d=drafter: generate(policy, prompts, drafter=d, **common, method=args.method)  # noqa: E731
+                spec = run_spec()  # compile
+                times = _interleaved({"plain": run_plain, "spec": run_spec}, args.rounds)
+                speedup = _median_ratio(times["plain"], times["spec"])
+                tau = spec.stats.acceptance_length
+                c = cost.get(drafter.num_nodes)  # verify width num_nodes + 1 (k + 1 for chains)
+                if c is None:  # a tree: measure its own verify width
+                    c = _verify_cost(policy, batch, int(prompts[0].shape[1]) + longest // 2,
+                                     [drafter.num_nodes], args.rounds)[drafter.num_nodes]
+                bound = tau / c
+                rows.append(dict(
+                    drafter=name, k=k if k is not None else args.tree, batch=batch,
+                    acceptance=(acc if name == "oracle" else None),
+                    tau=tau, acceptance_length=tau,
+                    per_position_acceptance=[round(x, 4) for x in spec.stats.per_position_acceptance.tolist()],
+                    target_forwards=int(spec.stats.target_forwards),
+                    plain_s=statistics.median(times["plain"]), spec_s=statistics.median(times["spec"]),
+                    speedup=speedup, verify_cost=c, bound=bound, efficiency=speedup / bound,
+                    tokens_equal_plain=bool(np.array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))),
+                    plain_tokens=int(np.sum(plain.lengths)), longest=longest,
+                ))
+                r = rows[-1]
+                print(f"{name:>14} B={batch:<4d} k={str(r['k']):>6}  speedup {speedup:5.2f}x  tau {tau:5.2f}  "
+                      f"c(k+1)/c(1) {c:5.2f}  bound {bound:5.2f}x  efficiency {r['efficiency']:5.1%}  "
+                      f"plain {r['plain_s'] * 1e3:8.1f} ms  same-as-plain {r['tokens_equal_plain']}", flush=True)
 
     result = dict(
         machine=f"{platform.machine()} {platform.processor() or ''} / {jax.devices()[0].device_kind}",
-        backend=jax.default_backend(), policy=args.policy, eagle3=args.eagle3,
-        num_prompts=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        method=args.method, plain_tokens=tokens, plain_s=plain_s, rows=rows,
+        backend=jax.default_backend(), policy=args.policy or args.config, eagle3=args.eagle3,
+        params=int(sum(x.size for x in jax.tree.leaves(policy.params))),
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=args.method,
+        rounds=args.rounds, rows=rows, argv=sys.argv[1:] if argv is None else list(argv),
     )
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)

@@ -17,7 +17,7 @@ from fractions import Fraction
 from jaxspec.rl import answers
 
 __all__ = ["ArithmeticTask", "CharTokenizer", "CountdownTask", "DatasetError", "Example",
-           "JsonlTask", "TASKS", "load_jsonl", "make_task"]
+           "JsonlTask", "TASKS", "WorkedAdditionTask", "load_jsonl", "make_task"]
 
 
 class CharTokenizer:
@@ -192,6 +192,80 @@ class ArithmeticTask(Task):
         if not self.reverse:  # align at the units digit
             g, w = g[::-1], w[::-1]
         same = sum(x == y for x, y in zip(g, w, strict=False))
+        return 0.5 * same / max(len(got), len(want))
+
+
+class WorkedAdditionTask(Task):
+    """Long addition with the column-by-column work written out, like a reasoning trace:
+    "47+38=" -> "7+8+0=15,4+3+1=08;085".
+
+    Both operands have n digits (zero-padded), n drawn log-uniformly from 1..max_digits, so
+    completion lengths (10n + 2 characters, plus EOS) are long-tailed: with the default
+    max_digits 16 the mean is ~54 tokens, the median 42 and the 90th percentile 122 (the
+    longest 163). Column i (units first) is written "x+y+c=s" with c the carry in and s the
+    two-digit column sum; the answer after ";" has n + 1 digits. Reward comes from the
+    answer only: 1 when exact; with partial_credit, 0.5 * (answer digits right, aligned at
+    the units) / max(length of both) for a well-formed number; 0 without a ";". With
+    probability warmup_noise a warm-up target adds one column wrong (by a random non-zero
+    digit) and carries the mistake through to its answer, so the warmed-up policy makes
+    arithmetic errors that RL can remove."""
+
+    name = "worked_addition"
+
+    def __init__(self, seed: int = 0, max_digits: int = 16, min_digits: int = 1,
+                 partial_credit: bool = True, warmup_noise: float = 0.3):
+        super().__init__(seed)
+        if not isinstance(min_digits, int) or not isinstance(max_digits, int) \
+                or not 1 <= min_digits <= max_digits:
+            raise ValueError(f"need integers 1 <= min_digits <= max_digits; got "
+                             f"min_digits={min_digits!r}, max_digits={max_digits!r}")
+        if not 0 <= warmup_noise <= 1:
+            raise ValueError(f"warmup_noise must be in [0, 1], got {warmup_noise}")
+        self.tokenizer = CharTokenizer()
+        self.min_digits, self.max_digits = min_digits, max_digits
+        self.partial_credit, self.warmup_noise = partial_credit, warmup_noise
+
+    def _digits(self, rng: random.Random) -> int:
+        lo, hi = self.min_digits, self.max_digits + 1  # log-uniform on [lo, hi), floored
+        return min(int(lo * (hi / lo) ** rng.random()), self.max_digits)
+
+    @staticmethod
+    def work(a: str, b: str, wrong_column: int | None = None, error: int = 0) -> str:
+        """The worked completion for n-digit operand strings a and b; column `wrong_column`
+        (0 = units) has `error` added to its sum digit (mod 10)."""
+        steps, carry, answer = [], 0, []
+        for i in range(len(a)):
+            x, y = int(a[-1 - i]), int(b[-1 - i])
+            total = x + y + carry
+            if i == wrong_column:
+                total = total - total % 10 + (total % 10 + error) % 10
+            steps.append(f"{x}+{y}+{carry}={total:02d}")
+            carry, digit = divmod(total, 10)
+            answer.append(str(digit))
+        return ",".join(steps) + ";" + str(carry) + "".join(reversed(answer))
+
+    def _make(self, rng):
+        n = self._digits(rng)
+        a = "".join(rng.choice("0123456789") for _ in range(n))
+        b = "".join(rng.choice("0123456789") for _ in range(n))
+        solution = self.work(a, b)
+        return Example(f"{a}+{b}=", solution.split(";")[1], solution)
+
+    def _warmup_target(self, example, rng):
+        if rng.random() >= self.warmup_noise:
+            return example.solution
+        a, b = example.prompt[:-1].split("+")
+        return self.work(a, b, wrong_column=rng.randrange(len(a)), error=rng.randint(1, 9))
+
+    def reward(self, example, completion):
+        if ";" not in completion:
+            return 0.0
+        got, want = completion.rsplit(";", 1)[1].strip(), example.answer
+        if got == want:
+            return 1.0
+        if not self.partial_credit or not got.isdigit():
+            return 0.0
+        same = sum(x == y for x, y in zip(got[::-1], want[::-1], strict=False))
         return 0.5 * same / max(len(got), len(want))
 
 
@@ -401,6 +475,7 @@ TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "countdown": CountdownTask,
     "jsonl": JsonlTask,
+    "worked_addition": WorkedAdditionTask,
 }
 
 

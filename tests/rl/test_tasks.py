@@ -2,10 +2,13 @@
 
 import json
 
+import numpy as np
+
 import pytest
 
 from jaxspec.rl.tasks import (TASKS, ArithmeticTask, CharTokenizer, CountdownTask, DatasetError,
-                              Example, JsonlTask, load_jsonl, make_task)
+                              Example, JsonlTask, WorkedAdditionTask, load_jsonl,
+                              make_task)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -200,10 +203,95 @@ def test_jsonl_errors_name_the_problem(tmp_path):
 
 
 def test_registry_and_make_task():
-    assert set(TASKS) == {"arithmetic", "countdown", "jsonl"}
+    assert set(TASKS) == {"arithmetic", "countdown", "jsonl", "worked_addition"}
     task = make_task("arithmetic", seed=2, digits=3)
     assert isinstance(task, ArithmeticTask) and task.digits == 3 and task.seed == 2
     with pytest.raises(ValueError, match="unknown task 'nope'"):
         make_task("nope")
     with pytest.raises(ValueError, match="digits"):
         ArithmeticTask(digits=0)
+
+
+# ----------------------------------------------------------------------------- worked addition
+
+def _brute_sum(a: str, b: str) -> str:
+    """Schoolbook addition on digit lists, independent of the task's worked steps."""
+    n = len(a)
+    value = sum((int(x) + int(y)) * 10 ** (n - 1 - i) for i, (x, y) in enumerate(zip(a, b)))
+    return str(value).zfill(n + 1)
+
+
+def _parse_work(completion: str):
+    """(column sums, answer) of a worked completion; checks each step's arithmetic form."""
+    steps, answer = completion.split(";")
+    sums = []
+    for step in steps.split(","):
+        lhs, total = step.split("=")
+        x, y, c = (int(t) for t in lhs.split("+"))
+        assert 0 <= x <= 9 and 0 <= y <= 9 and c in (0, 1) and len(total) == 2
+        sums.append((x, y, c, int(total)))
+    return sums, answer
+
+
+def test_worked_addition_checker_matches_brute_force():
+    task = make_task("worked_addition", seed=5)
+    assert TASKS["worked_addition"] is WorkedAdditionTask
+    for ex in task.batch(0, 300):
+        a, b = ex.prompt[:-1].split("+")
+        assert len(a) == len(b) and ex.prompt.endswith("=")
+        want = _brute_sum(a, b)
+        assert ex.answer == want
+        assert task.reward(ex, ex.solution) == 1.0
+        assert task.reward(ex, "anything;" + want) == 1.0  # reward reads the answer only
+        assert task.reward(ex, want) == 0.0  # no ";": not the format
+        wrong = str((int(want) + 1) % 10 ** len(want)).zfill(len(want))
+        same = sum(x == y for x, y in zip(wrong, want))
+        assert task.reward(ex, "x;" + wrong) == pytest.approx(0.5 * same / len(want))
+        assert task.reward(ex, "x;" + want + "0") < 1.0
+        assert task.reward(ex, "x;1a") == 0.0
+
+
+def test_worked_addition_length_statistics():
+    tok = CharTokenizer()
+    task = WorkedAdditionTask(seed=0)
+    lengths = np.array([len(tok.encode(ex.solution, eos=True)) for ex in task.batch(0, 2000)])
+    median = np.median(lengths)
+    assert lengths.mean() >= 48
+    assert np.percentile(lengths, 90) >= 2.5 * median
+    assert lengths.max() <= 10 * task.max_digits + 3
+    # digits are log-uniform on [1, 17): P(n <= 4) = log(5) / log(17)
+    ns = np.array([len(ex.prompt[:-1].split("+")[0]) for ex in task.batch(0, 2000)])
+    p = np.log(5) / np.log(17)
+    assert abs(np.mean(ns <= 4) - p) < 4 * np.sqrt(p * (1 - p) / 2000)  # ~6e-5 false failure
+
+
+def test_worked_addition_warmup_targets_parse_back():
+    task = WorkedAdditionTask(seed=0, warmup_noise=0.3)
+    pairs = task.supervised_examples(400, seed=1)
+    wrong = 0
+    for prompt, target in pairs:
+        a, b = prompt[:-1].split("+")
+        sums, answer = _parse_work(target)
+        # the steps add the right digits, units first, carrying what they wrote
+        carry = 0
+        for i, (x, y, c, total) in enumerate(sums):
+            assert (x, y, c) == (int(a[-1 - i]), int(b[-1 - i]), carry)
+            carry = total // 10
+        # the answer is what the written steps say
+        assert answer == str(carry) + "".join(str(t % 10) for *_, t in reversed(sums))
+        ex = Example(prompt, _brute_sum(a, b), "")
+        wrong += answer != ex.answer
+        assert task.reward(ex, target) == (1.0 if answer == ex.answer else task.reward(ex, target))
+    # noisy targets are wrong in exactly one column; 30% +- 4 sigma
+    assert abs(wrong / 400 - 0.3) < 4 * np.sqrt(0.3 * 0.7 / 400)
+    clean = WorkedAdditionTask(seed=0, warmup_noise=0.0).supervised_examples(100, seed=1)
+    for prompt, target in clean:
+        a, b = prompt[:-1].split("+")
+        assert _parse_work(target)[1] == _brute_sum(a, b)
+
+
+def test_worked_addition_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="min_digits"):
+        WorkedAdditionTask(max_digits=0)
+    with pytest.raises(ValueError, match="warmup_noise"):
+        WorkedAdditionTask(warmup_noise=1.5)

@@ -1,0 +1,100 @@
+"""The oracle drafter: drafts are the plain rollout's own tokens, cut at a chosen rate."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.decoding import SamplingConfig
+from jaxspec.decoding.engine import generate, pad_prompts
+from jaxspec.decoding.oracle import OracleDrafter, oracle_drafter
+from jaxspec.models import ModelConfig, Policy
+
+N = 24  # max new tokens
+
+
+@pytest.fixture(scope="module")
+def setup():
+    policy = Policy.init(ModelConfig.tiny("qwen3", num_layers=2), jax.random.key(0))
+    rng = np.random.default_rng(0)
+    vocab = policy.config.vocab_size
+    prompts = [list(rng.integers(3, vocab, size=n)) for n in (3, 5, 2, 7)]
+    tokens, lengths = pad_prompts(prompts)
+    common = dict(sampling=SamplingConfig(temperature=1.0), max_new_tokens=N,
+                  key=jax.random.key(3), stop_tokens=(2,))
+    plain = generate(policy, (tokens, lengths), **common)
+    return policy, tokens, lengths, plain, common
+
+
+def _spec(setup, acceptance):
+    policy, tokens, lengths, plain, common = setup
+    drafter = oracle_drafter(tokens, lengths, plain.tokens, acceptance,
+                             vocab_size=policy.config.vocab_size)
+    return generate(policy, (tokens, lengths), drafter=drafter, **common)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_perfect_oracle_replays_plain_at_k_plus_1_tokens_per_forward(setup, k):
+    plain = setup[3]
+    spec = _spec(setup, [1.0] * k)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(spec.lengths), np.asarray(plain.lengths))
+    lengths = np.asarray(plain.lengths)
+    # every forward emits k + 1 tokens except the row's last: ceil(length / (k + 1)) forwards
+    np.testing.assert_array_equal(np.asarray(spec.stats.row_steps), -(-lengths // (k + 1)))
+
+
+def test_oracle_at_acceptance_zero_is_plain_speed(setup):
+    plain = setup[3]
+    spec = _spec(setup, [0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(spec.stats.row_steps), np.asarray(plain.lengths))
+    assert spec.stats.acceptance_length == 1.0
+    assert np.all(spec.stats.per_position_acceptance == 0)
+
+
+def test_oracle_partial_acceptance_is_lossless_and_deterministic(setup):
+    plain = setup[3]
+    a = _spec(setup, [0.7, 0.5, 0.5])
+    b = _spec(setup, [0.7, 0.5, 0.5])
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(a.stats.row_steps), np.asarray(b.stats.row_steps))
+    lengths = np.asarray(plain.lengths)
+    assert np.all(np.asarray(a.stats.row_steps) < lengths) or lengths.max() <= 2
+    assert np.all(np.asarray(a.stats.row_steps) >= -(-lengths // 4))
+
+
+def test_oracle_rejects_bad_settings(setup):
+    policy, tokens, lengths, plain, common = setup
+    with pytest.raises(ValueError, match="acceptance"):
+        OracleDrafter(np.zeros((4, 8), np.int32), (1.2,), vocab_size=10)
+    with pytest.raises(ValueError, match="acceptance"):
+        OracleDrafter(np.zeros((4, 8), np.int32), (), vocab_size=10)
+    with pytest.raises(ValueError, match="vocab_size"):
+        OracleDrafter(np.zeros((4, 8), np.int32), (1.0,), vocab_size=1)
+    wrong = OracleDrafter(np.zeros((4, 8), np.int32), (1.0,), vocab_size=7)
+    with pytest.raises(ValueError, match="vocab_size 7"):
+        generate(policy, (tokens, lengths), drafter=wrong, **common)
+
+
+def test_bench_rollout_oracle_mode(tmp_path):
+    """scripts/bench_rollout.py --oracle on a config's random policy: one row per (batch, k)
+    with speedup, tau, verify cost, bound and efficiency; perfect drafts emit k+1 per forward."""
+    import importlib.util
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_rollout", root / "scripts" / "bench_rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.json"
+    assert bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.0",
+                       "--ks", "2", "--batches", "2", "--max-new-tokens", "9", "--rounds", "1",
+                       "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tokens_equal_plain"] and (row["batch"], row["k"]) == (2, 2)
+    assert row["tau"] <= 3.0 and row["target_forwards"] <= 3  # ceil(9 / (k + 1)) forwards
+    assert row["bound"] == pytest.approx(row["tau"] / row["verify_cost"])
+    assert row["efficiency"] == pytest.approx(row["speedup"] / row["bound"])
+    with pytest.raises(SystemExit, match="--oracle"):
+        bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.5"])
