@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding.drafters import DraftContext
+from jaxspec.decoding.drafters import _ModelFree
+from jaxspec.decoding.protocols import DraftContext
 from jaxspec.decoding.tree import Tree
 
 __all__ = ["OracleDrafter", "oracle_drafter"]
@@ -25,7 +26,7 @@ __all__ = ["OracleDrafter", "oracle_drafter"]
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class OracleDrafter:
+class OracleDrafter(_ModelFree):
     """Chain drafts read from `reference`, the full token sequences (prompt + plain rollout)
     at the engine's buffer positions."""
 
@@ -47,10 +48,7 @@ class OracleDrafter:
     k = property(lambda self: len(self.acceptance))
     num_nodes = property(lambda self: self.k)
     max_depth = property(lambda self: self.k)
-    capture_layers = ()
     supports_rejection = False
-    forwards_per_propose = 0
-    forwards_per_observe = 0
 
     def check_compatible(self, policy) -> None:
         if self.vocab_size != policy.config.vocab_size:
@@ -62,9 +60,6 @@ class OracleDrafter:
             raise ValueError(f"OracleDrafter.reference has {self.reference.shape[0]} rows; "
                              f"the batch has {batch}")
         return None
-
-    def observe(self, state, policy, fed_tokens, next_tokens, positions, captured):
-        return state
 
     def propose(self, state, policy, ctx: DraftContext):
         batch, width = self.reference.shape
