@@ -233,9 +233,10 @@ def _generate_jit(
         ctx = DraftContext(
             buffer=s.buffer,
             lengths=s.lengths,
-            key=jax.random.fold_in(draft_key, s.stats.target_forwards),
+            key=draft_key,  # drafts key on (rollout id, position), never the loop step
             sampling=sampling,
             sampled=method == "rejection",
+            rows=rows,
         )
         tree, draft_probs, draft_state = drafter.propose(s.draft_state, policy, ctx)
         fed = jnp.concatenate([root, tree.tokens], axis=1)  # [batch, N+1]
