@@ -4,12 +4,12 @@ rows and tokens share the forward (`ModelConfig.batch_invariant`).
 Attention lays each query's keys out by absolute position (slot s holds the key of
 position s: the cached prefix, then the new tokens the mask allows, wherever they were fed),
 so a token decoded alone and the same token inside a verify block or a full-sequence
-training forward see identical key rows. Every reduction is a chain of elementwise adds in
-a fixed order (a scan over key slots, an unrolled chain over head_dim); slots with nothing
-to attend to add exact zeros, so the cache capacity (which differs between plain and
-speculative calls) never changes the result. Projections are per-row chains of multiply-adds: XLA's CPU dot
-picks a kernel by shape (e.g. [M, 64] x [64, 32] rounds differently for M <= 24 than for 600
-rows), a chain of elementwise ops has one rounding.
+training forward see identical key rows; the key slots are summed by a scan, so slots with
+nothing to attend to add exact zeros and the cache capacity (which differs between plain and
+speculative calls) never changes the result. Every other reduction (projections over K,
+norms, q.k over head_dim, the softmax normaliser) is `tree_sum`: halving with elementwise
+adds, one association whatever the shape. XLA's CPU dot and reduce pick kernels by shape
+(e.g. [M, 64] x [64, 32] rounds differently for M <= 24 than for 600 rows).
 
 The mode computes activations in float32 whatever the parameter dtype. bfloat16 activations
 cannot be made invariant from JAX: XLA may keep float32 "excess precision" between fused
@@ -44,38 +44,32 @@ def invariant_dot(
     w,  # [K, ...out]
     preferred_element_type=None,
 ):  # -> [..., *out] float32 (or preferred_element_type)
-    """x @ w as a per-row chain of multiply-adds over K in order (a matvec per row, with no
-    tiling): XLA's CPU dot picks its kernel, and so its rounding, by the row count."""
+    """x @ w per row as products summed over K by `tree_sum` (no dot kernel): XLA's CPU dot
+    picks its kernel, and so its rounding, by the row count."""
     k = x.shape[-1]
     out = w.shape[1:]
     w2 = w.reshape(k, -1).astype(jnp.float32)
-    xf = x.astype(jnp.float32)[..., None]  # [..., K, 1]
-    if k > 128:
-        def step(acc, i):
-            xi = jax.lax.dynamic_index_in_dim(xf, i, axis=-2, keepdims=False)
-            return acc + xi * w2[i], None
-
-        total, _ = jax.lax.scan(step, xf[..., 0, :] * w2[0], jnp.arange(1, k))
-    else:
-        total = xf[..., 0, :] * w2[0]
-        for i in range(1, k):
-            total = total + xf[..., i, :] * w2[i]
-    total = total.reshape(*x.shape[:-1], *out)
+    products = x.astype(jnp.float32)[..., :, None] * w2  # [..., K, O]
+    total = tree_sum(jnp.moveaxis(products, -2, -1)).reshape(*x.shape[:-1], *out)
     return total if preferred_element_type is None else total.astype(preferred_element_type)
 
 
-def ordered_sum(x, axis: int = -1):
-    """Sum over `axis` as a chain of elementwise adds, first element first: XLA's reduce picks
-    its association (vectorised partial sums) by the whole shape; a chain of adds has none.
-    Unrolled up to 128 terms, a scan beyond."""
-    x = jnp.moveaxis(x, axis, 0)
-    if x.shape[0] > 128:
-        total, _ = jax.lax.scan(lambda acc, xi: (acc + xi, None), x[0], x[1:])
-        return total
-    total = x[0]
-    for i in range(1, x.shape[0]):
-        total = total + x[i]
-    return total
+def tree_sum(x):  # [..., N] -> [...]
+    """Sum over the last axis by halving with elementwise adds (zero-padded to a power of
+    two): log2(N) ops with one association whatever the other dimensions are."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def log_normalizer(z):  # [..., V] float32 with a finite max -> [..., 1]
+    """logsumexp over the last axis, rounding the same for every row whatever the shape."""
+    top = jnp.max(z, axis=-1, keepdims=True)  # exact
+    return top + jnp.log(tree_sum(jnp.exp(z - top)))[..., None]
 
 
 def invariant_attention(
@@ -110,14 +104,16 @@ def invariant_attention(
 
     keys, values = key_rows(k_cache, k_new), key_rows(v_cache, v_new)
     qf = q.astype(jnp.float32).reshape(b, t, hkv, group, d)
-    scores = ordered_sum(qf[:, :, None] * keys[:, :, :, :, None, :], axis=-1) * d**-0.5  # [B,T,cap,kvh,g]
+    scores = tree_sum(qf[:, :, None] * keys[:, :, :, :, None, :]) * d**-0.5  # [B,T,cap,kvh,g]
     ok = allowed[..., None, None]
     scores = jnp.where(ok, scores, -jnp.inf)
     top = jnp.max(scores, axis=2, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     weights = jnp.where(ok, jnp.exp(scores - top), 0.0)  # [B, T, cap, kvh, g]
-    # Key slots in order by a scan: slots past a row's keys add exact zeros, so the capacity
-    # (which differs between plain and speculative calls) never changes the bits.
+    # Key slots in order by a scan, the same multiply-add for every slot: slots past a row's
+    # keys add exact zeros, so the capacity (which differs between plain and speculative
+    # calls) never changes the bits. (A tree over slots would not do: where XLA contracts a
+    # product and a sum into one FMA depends on which level of the tree the zeros start.)
     def add_slot(carry, slot):
         w, v = slot  # [B, T, kvh, g], [B, T, kvh, d]
         return (carry[0] + w, carry[1] + w[..., None] * v[:, :, :, None, :]), None

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.kernels import tree_attention
-from jaxspec.kernels.invariant import invariant_attention, invariant_dot, ordered_sum, round_to
+from jaxspec.kernels.invariant import invariant_attention, invariant_dot, round_to, tree_sum
 from jaxspec.models.config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
@@ -52,7 +52,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):  # [..., dim] -> [..., dim]
         x32 = x.astype(jnp.float32)
         if self.invariant:
-            var = (ordered_sum(jnp.square(x32)) / x32.shape[-1])[..., None]
+            var = (tree_sum(jnp.square(x32)) / x32.shape[-1])[..., None]
         else:
             var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
