@@ -106,7 +106,8 @@ def generate(
 
     With `method="replay"` (the default) and the same key, the tokens equal those of plain
     decoding (`drafter=None`) token for token, up to floating-point differences between a
-    one-token and a multi-token forward; every method is lossless in distribution
+    one-token and a multi-token forward (none with `ModelConfig.batch_invariant`: then
+    tokens and log-probs are equal bit for bit); every method is lossless in distribution
     (`greedy` only at temperature 0). Every argument is checked on the host before anything
     compiles; a SamplingConfig holding traced values cannot be.
     """

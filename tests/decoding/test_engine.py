@@ -121,7 +121,7 @@ def test_bf16_mismatch_rate_is_small(policy, drafters):
     spec = generate(pol16, PROMPTS, drafter=Eagle3Drafter(head, k=3), sampling=cfg, max_new_tokens=MAX_NEW, key=KEY)
     same = np.asarray(spec.tokens) == np.asarray(plain.tokens)
     if jax.default_backend() == "cpu":
-        # XLA's CPU dot reduces each row the same way whatever the row count: no mismatch.
+        # Near-uniform logits (0.02 init) on 3 rows: no mismatch here.
         assert same.all()
     else:  # GPU libraries pick tiles by shape: measure, and bound loosely
         agree_prefix = np.argmin(np.concatenate([same, np.zeros((3, 1), bool)], 1), axis=1)
