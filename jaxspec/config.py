@@ -435,6 +435,7 @@ class ModelSpec(_Section):
     max_position_embeddings: int = _tiny("max_position_embeddings")
     dtype: str = _tiny("dtype")
     attention_backend: str = _tiny("attention_backend")  # jaxspec.kernels.BACKENDS
+    batch_invariant: bool = _tiny("batch_invariant")  # bitwise bf16 replay; costs speed
 
     def model_config(self, vocab_size: int):
         """The `ModelConfig` of these fields with the given vocabulary."""

@@ -26,14 +26,17 @@ def _target_ids(ids, index):  # candidate indices -> target token ids (ids None:
     return (index if ids is None else ids[index]).astype(jnp.int32)
 
 
-def _choose(logits, ctx: DraftContext, key, ids=None, vocab=None):
+def _choose(logits, ctx: DraftContext, offset: int, ids=None, vocab=None):
     """Argmax draft, or a sample from the processed draft distribution q (returned over the
-    target vocabulary). logits [batch, C] over candidates whose target ids are `ids` [C]
-    (None: the candidates are the target vocabulary)."""
+    target vocabulary) with the row's key for position `lengths + offset`. logits [batch, C]
+    over candidates whose target ids are `ids` [C] (None: the candidates are the target
+    vocabulary)."""
     if not ctx.sampled:
         return _target_ids(ids, jnp.argmax(logits, axis=-1)), None
     logq = process_logits(logits, ctx.sampling)
-    token = _target_ids(ids, jax.random.categorical(key, logq, axis=-1))
+    keys = ctx.draft_keys(offset)  # [batch]
+    drawn = jax.vmap(lambda k, lq: jax.random.categorical(k, lq))(keys, logq)
+    token = _target_ids(ids, drawn)
     q = jnp.exp(logq)
     if ids is not None:  # q over the target vocabulary: zero outside the draft vocabulary
         q = jnp.zeros(q.shape[:-1] + (vocab,), q.dtype).at[..., ids].set(q)
@@ -169,7 +172,7 @@ class DraftModelDrafter:
         tokens, probs = [], []
         for i in range(self.k):
             logits, _, cache = self.model.forward(token[:, None], (pos + i)[:, None], cache)
-            token, q = _choose(logits[:, 0], ctx, jax.random.fold_in(ctx.key, i))
+            token, q = _choose(logits[:, 0], ctx, i)
             tokens.append(token)
             probs.append(q)
         cache = dataclasses.replace(cache, lengths=start_lengths)  # drafts are not committed
@@ -305,7 +308,7 @@ class _HeadDrafter:
                 )
                 hidden = out[:, 0].astype(jnp.float32)
             logits, ids = self.head.draft_logits(hidden, policy)  # [batch, C], [C] | None
-            token, q = _choose(logits, ctx, jax.random.fold_in(ctx.key, i), ids, policy.config.vocab_size)
+            token, q = _choose(logits, ctx, i, ids, policy.config.vocab_size)
             tokens.append(token)
             probs.append(q)
         cache = dataclasses.replace(cache, lengths=start_lengths)

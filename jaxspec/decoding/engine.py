@@ -106,7 +106,8 @@ def generate(
 
     With `method="replay"` (the default) and the same key, the tokens equal those of plain
     decoding (`drafter=None`) token for token, up to floating-point differences between a
-    one-token and a multi-token forward; every method is lossless in distribution
+    one-token and a multi-token forward (none with `ModelConfig.batch_invariant`: then
+    tokens and log-probs are equal bit for bit); every method is lossless in distribution
     (`greedy` only at temperature 0). Every argument is checked on the host before anything
     compiles; a SamplingConfig holding traced values cannot be.
     """
@@ -233,9 +234,10 @@ def _generate_jit(
         ctx = DraftContext(
             buffer=s.buffer,
             lengths=s.lengths,
-            key=jax.random.fold_in(draft_key, s.stats.target_forwards),
+            key=draft_key,  # drafts key on (rollout id, position), never the loop step
             sampling=sampling,
             sampled=method == "rejection",
+            rows=rows,
         )
         tree, draft_probs, draft_state = drafter.propose(s.draft_state, policy, ctx)
         fed = jnp.concatenate([root, tree.tokens], axis=1)  # [batch, N+1]

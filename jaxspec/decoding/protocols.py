@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.sampling import SamplingConfig, slot_keys
 from jaxspec.decoding.tree import Tree
 
 
@@ -23,13 +23,24 @@ class DraftContext:
 
     buffer: jax.Array  # [B, max_len] committed tokens (prompt + generated)
     lengths: jax.Array  # [B] committed count; the root is at lengths - 1
-    key: jax.Array  # PRNG key for sampled drafts
+    key: jax.Array  # PRNG key of the drafts (never the verifier's); use `draft_keys`
     sampling: SamplingConfig
     sampled: bool  # draw drafts from q and return q (rejection method) instead of argmax
+    rows: jax.Array | None = None  # [B] int32 global rollout ids; None: arange(B)
 
     @property
     def root(self) -> jax.Array:  # [B]
         return jnp.take_along_axis(self.buffer, (self.lengths - 1)[:, None], axis=1)[:, 0]
+
+    def draft_keys(self, offset: int, tag: int = 0) -> jax.Array:  # -> [B] keys
+        """The key of each row's draft at absolute position `lengths + offset` (offset 0: the
+        first draft after the root): a function of (key, rollout id, position, tag) only, so a
+        rollout draws the same drafts whatever batch, split, slot or loop step proposes them."""
+        rows = self.rows
+        if rows is None:
+            rows = jnp.arange(self.lengths.shape[0], dtype=jnp.int32)
+        keys = slot_keys(self.key, rows, self.lengths + offset)
+        return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
 
 
 @jax.tree_util.register_dataclass

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.kernels.invariant import log_normalizer
+
 # Slot keys live in their own domain of the caller's key, so a drafter that folds small ints
 # into the same key (fold_in(key, round)) cannot land on a slot's noise by accident.
 _SLOT_DOMAIN = 0x5107
@@ -100,7 +102,7 @@ def process_logits(
     the point mass on the argmax (the first one on ties).
     """
     z = processed_logits(logits, cfg)
-    return z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    return z - log_normalizer(z)
 
 
 def processed_logits(
@@ -250,4 +252,4 @@ def sample(
     noise = gumbel_noise(key, _default_rows(batch, rows), positions, vocab)
     tokens = jnp.argmax(z + noise, axis=-1).astype(jnp.int32)
     z_token = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
-    return tokens, z_token - jax.nn.logsumexp(z, axis=-1)
+    return tokens, z_token - log_normalizer(z)[..., 0]

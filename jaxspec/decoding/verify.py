@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxspec.decoding.sampling import SamplingConfig, coin_flips, gumbel_noise, processed_logits
 from jaxspec.decoding.tree import Tree
+from jaxspec.kernels.invariant import log_normalizer
 
 METHODS = ("greedy", "replay", "rejection")
 
@@ -75,7 +76,7 @@ def verify(
     rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
 
     z = processed_logits(target_logits, cfg)  # [B, N+1, V], unnormalised
-    logp = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    logp = z - log_normalizer(z)  # one rounding for a row whatever the block's shape
     if method == "rejection":
         return _verify_rejection(key, logp, tree, positions, rows, draft_probs, z=z)
     if method == "greedy":

@@ -44,6 +44,10 @@ class ModelConfig:
     dtype: str = "float32"
     attention_backend: str = "reference"
     family: str = "qwen3"
+    # Batch-invariant forward (jaxspec.kernels.invariant): a token's logits do not depend on
+    # how many rows and tokens share the forward, so bf16 replay is bitwise; it replaces
+    # attention_backend and costs speed.
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name, choices in (("family", FAMILIES), ("dtype", DTYPES),
@@ -72,6 +76,8 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (GQA needs whole groups)"
             )
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"ModelConfig.batch_invariant={self.batch_invariant!r}; must be true or false")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.kernels import tree_attention
+from jaxspec.kernels.invariant import invariant_attention, invariant_dot, round_to, tree_sum
 from jaxspec.models.config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
@@ -39,15 +40,21 @@ def logical_param(rngs: nnx.Rngs | None, shape, dtype, axes, *, init="normal") -
 
 
 class RMSNorm(nnx.Module):
-    """HF-style RMSNorm: statistics in float32, scale applied in the input dtype."""
+    """HF-style RMSNorm: statistics in float32, scale applied in the input dtype (`invariant`:
+    the mean of squares summed in a fixed order, see jaxspec.kernels.invariant)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, dtype=jnp.float32, axis_name: str = "embed"):
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype=jnp.float32, axis_name: str = "embed",
+                 invariant: bool = False):
         self.eps = eps
+        self.invariant = invariant
         self.scale = logical_param(None, (dim,), dtype, (axis_name,), init="ones")
 
     def __call__(self, x):  # [..., dim] -> [..., dim]
         x32 = x.astype(jnp.float32)
-        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        if self.invariant:
+            var = (tree_sum(jnp.square(x32)) / x32.shape[-1])[..., None]
+        else:
+            var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
         return self.scale[...] * normed
 
@@ -55,15 +62,21 @@ class RMSNorm(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
+                 invariant: bool = False):
+        self.invariant = invariant
         self.gate_proj = logical_param(rngs, (hidden_size, intermediate_size), dtype, ("embed", "mlp"))
         self.up_proj = logical_param(rngs, (hidden_size, intermediate_size), dtype, ("embed", "mlp"))
         self.down_proj = logical_param(rngs, (intermediate_size, hidden_size), dtype, ("mlp", "embed"))
 
     def __call__(self, x):  # [B, T, H] -> [B, T, H]
-        gate = jnp.einsum("bth,hm->btm", x, self.gate_proj[...])
-        up = jnp.einsum("bth,hm->btm", x, self.up_proj[...])
-        return jnp.einsum("btm,mh->bth", jax.nn.silu(gate) * up, self.down_proj[...])
+        if not self.invariant:
+            gate = jnp.einsum("bth,hm->btm", x, self.gate_proj[...])
+            up = jnp.einsum("bth,hm->btm", x, self.up_proj[...])
+            return jnp.einsum("btm,mh->bth", jax.nn.silu(gate) * up, self.down_proj[...])
+        gate = invariant_dot(x, self.gate_proj[...])
+        up = invariant_dot(x, self.up_proj[...])
+        return invariant_dot(jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -128,8 +141,9 @@ class Attention(nnx.Module):
             rngs, (nq, d, config.hidden_size), dtype, ("heads", "head_dim", "embed")
         )
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, axis_name="head_dim")
-            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, axis_name="head_dim")
+            inv = config.batch_invariant
+            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, axis_name="head_dim", invariant=inv)
+            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, axis_name="head_dim", invariant=inv)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -140,15 +154,21 @@ class Attention(nnx.Module):
         positions,  # [B, T] int32
     ):  # -> q [B, T, heads, head_dim], k, v [B, T, kv_heads, head_dim]; q and k after QK-norm and RoPE
         """The attention's inputs, as every caller (cached forward, TTT unroll) must compute them."""
-        q = jnp.einsum("btf,fnd->btnd", x, self.q_proj[...])
-        k = jnp.einsum("btf,fnd->btnd", x, self.k_proj[...])
-        v = jnp.einsum("btf,fnd->btnd", x, self.v_proj[...])
+        if self.config.batch_invariant:
+            q, k, v = (invariant_dot(x, w[...]) for w in (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q = jnp.einsum("btf,fnd->btnd", x, self.q_proj[...])
+            k = jnp.einsum("btf,fnd->btnd", x, self.k_proj[...])
+            v = jnp.einsum("btf,fnd->btnd", x, self.v_proj[...])
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         return apply_rope(q, positions, self.config), apply_rope(k, positions, self.config), v
 
     def output(self, heads):  # [B, T, heads, head_dim] -> [B, T, H]
+        if self.config.batch_invariant:
+            b, t, n, d = heads.shape
+            return invariant_dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1))
         return jnp.einsum("btnd,ndh->bth", heads, self.o_proj[...])
 
     def attend(
@@ -160,8 +180,13 @@ class Attention(nnx.Module):
         v_cache,  # [B, S, kv_heads, head_dim]
         cache_lengths,  # [B] int32, <= S
         mask,  # [B, T, T] bool: new token i may attend to new token j
+        positions=None,  # [B, T] int32 (needed by the batch-invariant mode)
     ):  # -> [B, T, heads, head_dim]
         """New tokens over the cached prefix plus the new tokens the mask allows."""
+        if self.config.batch_invariant:
+            if positions is None:
+                raise ValueError("the batch-invariant attention needs the new tokens' positions")
+            return invariant_attention(q, k_cache, v_cache, cache_lengths, k, v, mask, positions)
         return tree_attention(
             q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), cache_lengths, k, v, mask,
             backend=self.config.attention_backend,
@@ -179,11 +204,13 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, embed_input: bool = False, rngs: nnx.Rngs):
         dtype, h, eps = config.param_dtype, config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps=eps, dtype=dtype)
-        self.hidden_norm = RMSNorm(h, eps=eps, dtype=dtype) if embed_input else None
+        inv = config.batch_invariant
+        self.input_layernorm = RMSNorm(h, eps=eps, dtype=dtype, invariant=inv)
+        self.hidden_norm = RMSNorm(h, eps=eps, dtype=dtype, invariant=inv) if embed_input else None
         self.self_attn = Attention(config, in_features=2 * h if embed_input else h, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(h, eps=eps, dtype=dtype)
-        self.mlp = MLP(h, config.intermediate_size, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps, dtype=dtype, invariant=inv)
+        self.mlp = MLP(h, config.intermediate_size, dtype=dtype, rngs=rngs,
+                       invariant=config.batch_invariant)
 
     def attention_input(
         self,
@@ -216,5 +243,8 @@ class DecoderLayer(nnx.Module):
         if (embeds is None) != (self.hidden_norm is None):
             raise ValueError("embeds is required by (and only by) a layer built with embed_input=True")
         q, k, v = self.self_attn.project(self.attention_input(x, embeds), positions)
-        heads = self.self_attn.attend(q, k, v, k_cache, v_cache, cache_lengths, mask)
+        if self.self_attn.config.batch_invariant:  # float32 activations: keys as the cache stores them
+            dtype = self.self_attn.config.param_dtype
+            k, v = round_to(k, dtype), round_to(v, dtype)
+        heads = self.self_attn.attend(q, k, v, k_cache, v_cache, cache_lengths, mask, positions)
         return self.finish(x, heads), k, v

@@ -17,9 +17,10 @@ from flax import nnx
 
 from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig
+from jaxspec.kernels.invariant import invariant_dot
 from jaxspec.models.layers import INIT_STD, DecoderLayer, RMSNorm, logical_param
 
-__all__ = ["Policy", "Transformer", "param_path"]
+__all__ = ["Policy", "Transformer", "param_path", "random_policy"]
 
 
 # --------------------------------------------------------------------------- module
@@ -41,7 +42,8 @@ class Transformer(nnx.Module):
             return DecoderLayer(config, rngs=rngs)
 
         self.layers = make_layers(rngs)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
+                            invariant=config.batch_invariant)
         if config.tie_embeddings:
             self.lm_head = None
         else:
@@ -53,6 +55,9 @@ class Transformer(nnx.Module):
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
     def logits(self, h):  # [B, T, H] final-normed -> [B, T, V] float32
+        if self.config.batch_invariant:
+            w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+            return invariant_dot(h, w, jnp.float32)
         if self.lm_head is None:
             return jnp.einsum(
                 "bth,vh->btv", h, self.embed_tokens[...], preferred_element_type=jnp.float32
@@ -71,6 +76,8 @@ class Transformer(nnx.Module):
     ):
         """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new)."""
         x = self.embed(tokens)
+        if self.config.batch_invariant:  # float32 activations (see jaxspec.kernels.invariant)
+            x = x.astype(jnp.float32)
         layer_def, layer_params = nnx.split(self.layers)
         captured = jnp.zeros((len(capture),) + x.shape, x.dtype)
         capture_ids = jnp.asarray(capture, jnp.int32)
@@ -269,3 +276,31 @@ class Policy:
 
 
 jax.tree_util.register_dataclass(Policy)
+
+
+def random_policy(config: ModelConfig, seed: int = 0) -> Policy:
+    """Random weights like Policy.init's, but rescaled to ~1/sqrt(fan_in) and norm scales
+    1 + 0.3 N(0,1), drawn with NumPy (the same weights on every backend).
+
+    The HF-style init (std 0.02, unit norms) gives near-uniform logits, against which any
+    tolerance is meaningless; these give logits of order 1-10 and non-trivial norms.
+    """
+    policy = Policy.abstract(config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(policy.params)
+    rng = np.random.default_rng(seed)
+    out = []
+    for path, leaf in leaves:
+        name = "/".join(str(getattr(k, "key", "")) for k in path)
+        noise = rng.standard_normal(leaf.shape, np.float32)
+        if name.endswith("scale"):
+            value = 1.0 + 0.3 * noise
+        elif "embed_tokens" in name:
+            value = noise
+        elif "down_proj" in name:
+            value = noise / np.sqrt(config.intermediate_size)
+        elif "o_proj" in name:
+            value = noise / np.sqrt(config.num_heads * config.head_dim)
+        else:
+            value = noise / np.sqrt(config.hidden_size)
+        out.append(jnp.asarray(value, config.param_dtype))
+    return policy.replace(params=jax.tree_util.tree_unflatten(treedef, out))

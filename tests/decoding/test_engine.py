@@ -121,7 +121,7 @@ def test_bf16_mismatch_rate_is_small(policy, drafters):
     spec = generate(pol16, PROMPTS, drafter=Eagle3Drafter(head, k=3), sampling=cfg, max_new_tokens=MAX_NEW, key=KEY)
     same = np.asarray(spec.tokens) == np.asarray(plain.tokens)
     if jax.default_backend() == "cpu":
-        # XLA's CPU dot reduces each row the same way whatever the row count: no mismatch.
+        # Near-uniform logits (0.02 init) on 3 rows: no mismatch here.
         assert same.all()
     else:  # GPU libraries pick tiles by shape: measure, and bound loosely
         agree_prefix = np.argmin(np.concatenate([same, np.zeros((3, 1), bool)], 1), axis=1)
@@ -160,8 +160,8 @@ def test_draft_choice_over_a_reduced_vocabulary_matches_the_full_vocabulary():
     for sampled in (False, True):
         ctx = DraftContext(jnp.zeros((4, 8), jnp.int32), jnp.ones((4,), jnp.int32), jax.random.key(0),
                            SamplingConfig(temperature=0.7, top_k=3), sampled)
-        tok, q = _choose(logits, ctx, jax.random.key(1), ids, 40)
-        tok_full, q_full = _choose(full, ctx, jax.random.key(1))
+        tok, q = _choose(logits, ctx, 0, ids, 40)
+        tok_full, q_full = _choose(full, ctx, 0)
         assert set(np.asarray(tok).tolist()) <= set(np.asarray(ids).tolist())
         if not sampled:
             np.testing.assert_array_equal(tok, tok_full)

@@ -1,0 +1,124 @@
+"""Batch-invariant attention and projections: a token row's bits do not depend on how many
+rows and tokens share the forward (`ModelConfig.batch_invariant`).
+
+Attention lays each query's keys out by absolute position (slot s holds the key of
+position s: the cached prefix, then the new tokens the mask allows, wherever they were fed),
+so a token decoded alone and the same token inside a verify block or a full-sequence
+training forward see identical key rows; the key slots are summed by a scan, so slots with
+nothing to attend to add exact zeros and the cache capacity (which differs between plain and
+speculative calls) never changes the result. Every other reduction (projections over K,
+norms, q.k over head_dim, the softmax normaliser) is `tree_sum`: halving with elementwise
+adds, one association whatever the shape. XLA's CPU dot and reduce pick kernels by shape
+(e.g. [M, 64] x [64, 32] rounds differently for M <= 24 than for 600 rows).
+
+The mode computes activations in float32 whatever the parameter dtype. bfloat16 activations
+cannot be made invariant from JAX: XLA may keep float32 "excess precision" between fused
+bf16 ops (`--xla_allow_excess_precision`, on by default), and which roundings it skips depends
+on the fusion, i.e. on the shapes. Keys and values are rounded to the cache's dtype with
+`round_to` (integer ops XLA cannot elide) so a new token's key equals its cached copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 16  # key rows are padded to a multiple of this many slots
+
+
+def round_to(x, dtype):  # float32 [...] -> float32 [...] holding values of `dtype`
+    """Round float32 to the nearest (ties to even) bfloat16 value, kept as float32, with
+    integer ops that XLA cannot skip; identity for float32. NaN payloads are not preserved."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return x
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        raise ValueError(f"round_to: dtype {dtype} not supported; valid: float32, bfloat16")
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    lsb = (bits >> 16) & jnp.uint32(1)
+    bits = (bits + jnp.uint32(0x7FFF) + lsb) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def invariant_dot(
+    x,  # [..., K]
+    w,  # [K, ...out]
+    preferred_element_type=None,
+):  # -> [..., *out] float32 (or preferred_element_type)
+    """x @ w per row as products summed over K by `tree_sum` (no dot kernel): XLA's CPU dot
+    picks its kernel, and so its rounding, by the row count."""
+    k = x.shape[-1]
+    out = w.shape[1:]
+    w2 = w.reshape(k, -1).astype(jnp.float32)
+    products = x.astype(jnp.float32)[..., :, None] * w2  # [..., K, O]
+    total = tree_sum(jnp.moveaxis(products, -2, -1)).reshape(*x.shape[:-1], *out)
+    return total if preferred_element_type is None else total.astype(preferred_element_type)
+
+
+def tree_sum(x):  # [..., N] -> [...]
+    """Sum over the last axis by halving with elementwise adds (zero-padded to a power of
+    two): log2(N) ops with one association whatever the other dimensions are."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def log_normalizer(z):  # [..., V] float32 with a finite max -> [..., 1]
+    """logsumexp over the last axis, rounding the same for every row whatever the shape."""
+    top = jnp.max(z, axis=-1, keepdims=True)  # exact
+    return top + jnp.log(tree_sum(jnp.exp(z - top)))[..., None]
+
+
+def invariant_attention(
+    q,  # [B, T, q_heads, head_dim]
+    k_cache,  # [B, S, kv_heads, head_dim] slot s holds position s
+    v_cache,  # [B, S, kv_heads, head_dim]
+    cache_lengths,  # [B] int32 valid prefix slots
+    k_new,  # [B, T, kv_heads, head_dim]
+    v_new,  # [B, T, kv_heads, head_dim]
+    mask,  # [B, T, T] bool: new token i may attend to new token j (padding already masked)
+    positions,  # [B, T] int32 absolute positions of the new tokens, < 0 padding
+):  # -> [B, T, q_heads, head_dim] in q's dtype
+    """Tree attention with a position-ordered, block-reduced key row per query."""
+    b, t, hq, d = q.shape
+    s_cache = k_cache.shape[1]
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    cap = max(s_cache, t)
+    cap = -(-cap // BLOCK) * BLOCK
+    slots = jnp.arange(cap, dtype=jnp.int32)
+    # Which new token sits at slot s of query i's key row (ancestors have distinct positions).
+    at_slot = mask[:, :, :, None] & (positions[:, None, :, None] == slots[None, None, None, :])  # [B,T,T,cap]
+    from_new = jnp.any(at_slot, axis=2)  # [B, T, cap]
+    src = jnp.argmax(at_slot, axis=2)  # [B, T, cap]
+    in_cache = slots[None, :] < cache_lengths[:, None]  # [B, cap]
+    allowed = (in_cache[:, None, :] & ~from_new) | from_new  # [B, T, cap]
+
+    def key_rows(cache, new):  # -> [B, T, cap, kvh, d] float32
+        cache = jnp.pad(cache, ((0, 0), (0, cap - s_cache), (0, 0), (0, 0))).astype(jnp.float32)
+        picked = jnp.take_along_axis(new.astype(jnp.float32)[:, None], src[..., None, None], axis=2)
+        return jnp.where(from_new[..., None, None], picked, cache[:, None])
+
+    keys, values = key_rows(k_cache, k_new), key_rows(v_cache, v_new)
+    qf = q.astype(jnp.float32).reshape(b, t, hkv, group, d)
+    scores = tree_sum(qf[:, :, None] * keys[:, :, :, :, None, :]) * d**-0.5  # [B,T,cap,kvh,g]
+    ok = allowed[..., None, None]
+    scores = jnp.where(ok, scores, -jnp.inf)
+    top = jnp.max(scores, axis=2, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.where(ok, jnp.exp(scores - top), 0.0)  # [B, T, cap, kvh, g]
+    # Key slots in order by a scan, the same multiply-add for every slot: slots past a row's
+    # keys add exact zeros, so the capacity (which differs between plain and speculative
+    # calls) never changes the bits. (A tree over slots would not do: where XLA contracts a
+    # product and a sum into one FMA depends on which level of the tree the zeros start.)
+    def add_slot(carry, slot):
+        w, v = slot  # [B, T, kvh, g], [B, T, kvh, d]
+        return (carry[0] + w, carry[1] + w[..., None] * v[:, :, :, None, :]), None
+
+    zeros = (jnp.zeros((b, t, hkv, group), jnp.float32), jnp.zeros((b, t, hkv, group, d), jnp.float32))
+    (denom, numer), _ = jax.lax.scan(add_slot, zeros, (jnp.moveaxis(weights, 2, 0), jnp.moveaxis(values, 2, 0)))
+    out = numer / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(b, t, hq, d).astype(q.dtype)
