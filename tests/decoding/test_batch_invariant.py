@@ -22,7 +22,7 @@ from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.mtp import MTPHead
 from jaxspec.models.transformer import random_policy
 
-ROWS, TOKENS = 32, 24
+ROWS, TOKENS = 16, 16
 KEY = jax.random.key(7)
 
 
@@ -58,9 +58,9 @@ def plain(policy, prompts):
             for t in (0.0, 1.0)}
 
 
-# A chain, a tree and a model-free drafter here (each compiles its own loop); every drafter
+# A tree and a model-free drafter here (each compiles its own loop); every drafter
 # at 512 rows x 24 tokens: scripts/bench_exactness.py (docs/BENCHMARKS.md).
-@pytest.mark.parametrize("name", ["ngram", "eagle3_chain", "eagle3_tree"])
+@pytest.mark.parametrize("name", ["ngram", "eagle3_tree"])
 def test_bf16_speculative_equals_plain_bitwise(policy, prompts, drafters, plain, name):
     for temperature in (0.0, 1.0):
         spec = generate(policy, prompts, drafter=drafters[name], sampling=SamplingConfig(temperature=temperature),
@@ -68,7 +68,7 @@ def test_bf16_speculative_equals_plain_bitwise(policy, prompts, drafters, plain,
         ref = plain[temperature]
         np.testing.assert_array_equal(spec.tokens, ref.tokens)
         np.testing.assert_array_equal(spec.logprobs, ref.logprobs)
-        if name == "eagle3_chain":  # the drafts were used, not all rejected
+        if name == "eagle3_tree":  # the drafts were used, not all rejected
             assert spec.stats.acceptance_length > 1.0
 
 
