@@ -156,16 +156,25 @@ class StopSignals:
         self._log(f"{name}: finishing the current step, then checkpointing and stopping "
                   f"(send it again to exit at once)")
 
-    def agreed(self) -> str | None:
-        """The signal that stops the run, agreed by all processes (None: go on)."""
+    def agreed(self, step: int) -> str | None:
+        """The signal that stops the run at `step`, agreed by all processes (None: go on).
+        Multi-process, a preemption notice from JAX's coordination service (orbax's
+        `reached_preemption`, where `jax.distributed` runs one) counts too."""
         if jax.process_count() == 1:
             return self.requested
         from jax.experimental import multihost_utils
 
         mine = np.int32(0 if self.requested is None else 1)
-        if int(np.max(multihost_utils.process_allgather(mine))) == 0:
-            return None
-        return self.requested or "a stop signal (on another process)"
+        if int(np.max(multihost_utils.process_allgather(mine))) == 1:
+            return self.requested or "a stop signal (on another process)"
+        try:
+            from orbax.checkpoint import multihost
+
+            if multihost.reached_preemption(step):
+                return "a preemption notice"
+        except Exception:  # no preemption sync manager in this jax.distributed set-up
+            pass
+        return None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

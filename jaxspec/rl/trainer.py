@@ -340,13 +340,23 @@ class GRPOTrainer:
         if not finite:  # generation (and acceptance) against a non-finite policy means nothing
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
                            f"tensors: not generating from them", step=self.completed)
-        rows = []
         self._check_stop(stop)  # a signal during the warm-up
         start = time.perf_counter()
         self.compile()
         self.log(f"generation compiled ({time.perf_counter() - start:.1f}s)")
         resume = self.completed if self.plan.resume_step is not None else None
-        with MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn) as writer:
+        try:
+            rows = self._loop(MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn),
+                              stop, on_step)
+        except OSError as e:  # metrics.jsonl or tb/ cannot be written
+            raise SaveFailed("the metrics", e.filename or cfg.run.dir, e,
+                             self.saved_step) from e
+        self.export()
+        return rows
+
+    def _loop(self, writer: MetricsWriter, stop: StopSignals, on_step) -> list[dict]:
+        cfg, rows = self.cfg, []
+        with writer:
             while self.completed < cfg.run.steps:
                 self._check_stop(stop)
                 try:
@@ -362,13 +372,12 @@ class GRPOTrainer:
                     self.save()
                 if on_step is not None:
                     on_step(self.completed, row)
-        self.export()
         return rows
 
     def _check_stop(self, stop: StopSignals) -> None:
         """After a stop signal (agreed by all processes): checkpoint the last completed
         step (unless it is the newest checkpoint already) and raise Preempted."""
-        signame = stop.agreed()
+        signame = stop.agreed(self.completed)
         if signame is None:
             return
         if self.saved_step != self.completed:

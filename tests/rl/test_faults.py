@@ -341,3 +341,35 @@ def test_full_disk_mid_run_is_one_error_and_keeps_the_resume_point(tmp_path, cap
     assert CheckpointManager(run_dir / "checkpoints", create=False).all_steps() == [2]
     resumed = GRPOTrainer(make_config(run_dir, "run.steps=4", "run.resume=true"))
     assert resumed.completed == 2 and finite(resumed.policy.params)
+
+
+_AGREE = """
+import sys
+import jax
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from jaxspec.rl.faults import StopSignals
+stop = StopSignals()
+first = stop.agreed(0)
+if jax.process_index() == 1:
+    stop.requested = "SIGTERM"  # as the handler sets it
+print("agreed", first, "|", stop.agreed(1), flush=True)
+"""
+
+
+def test_all_processes_agree_on_a_stop_signal_of_one():
+    """Two jax.distributed processes: only process 1 got the signal; both stop at the same
+    step (so they save the same checkpoint together)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_subprocess_env(), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE, f"127.0.0.1:{port}", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, cwd=ROOT) for i in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    got = [next(line for line in out.splitlines() if line.startswith("agreed")) for out in outs]
+    assert got == ["agreed None | a stop signal (on another process)", "agreed None | SIGTERM"]
