@@ -7,10 +7,11 @@
 Runs GRPOTrainer on the config (default: the tiny default; 1000 steps take about 10 minutes
 on a 2-core CPU) and records, per step: non-finite metrics
 (NaN/inf are written as null in metrics.jsonl; the guard's `nonfinite` flag), resident
-memory (RSS), step time, and every --sample-every steps the size of run.dir (checkpoints
-pruned to run.keep_checkpoints). Prints a JSON summary and the markdown table of
+memory (RSS), step time, and every --sample-every steps the size of run.dir/checkpoints
+(pruned to run.keep_checkpoints) and of the other files (metrics.jsonl and tb/ grow by a
+row per step). Prints a JSON summary and the markdown table of
 docs/BENCHMARKS.md; exits 1 when a health bound fails (any non-finite value, RSS growth
->= 5%, step-time drift >= 10%, run.dir growing after the first pruning).
+>= 5%, step-time drift >= 10%, checkpoints/ growing after the first pruning).
 """
 
 from __future__ import annotations
@@ -88,9 +89,11 @@ def main(argv=None) -> int:
             if v is None or k in ("nonfinite", "nonfinite_skipped"):
                 bad.append((step, k))
         if step % args.sample_every == 0 or step == args.steps:
-            disk.append((step, _dir_bytes(run_dir)))
+            ckpt = _dir_bytes(os.path.join(run_dir, "checkpoints"))
+            disk.append((step, ckpt, _dir_bytes(run_dir) - ckpt))
             print(f"step {step}: {row['time/step']:.3f}s rss {rss[-1] / 2**20:.0f} MiB "
-                  f"run.dir {disk[-1][1] / 2**20:.1f} MiB reward {row['reward']:.3f} "
+                  f"checkpoints {ckpt / 2**20:.1f} MiB, other files {disk[-1][2] / 2**20:.1f} "
+                  f"MiB, reward {row['reward']:.3f} "
                   f"acc_len {row['acceptance_length']:.2f}", file=sys.stderr, flush=True)
 
     t1 = previous[0] = time.perf_counter()
@@ -100,7 +103,8 @@ def main(argv=None) -> int:
     first = _median(step_times[1:n + 1])  # step 1 compiles
     last = _median(step_times[-n:])
     rss_ref = rss[n - 1]  # after the first 10% (compilation and caches settled)
-    after_prune = [b for s, b in disk if s > cfg.run.save_every * (cfg.run.keep_checkpoints + 1)]
+    after_prune = [b for s, b, _ in disk
+                   if s > cfg.run.save_every * (cfg.run.keep_checkpoints + 1)]
     summary = {
         "config": args.config, "overrides": overrides[:-1], "steps": len(step_times),
         "build_s": round(build_s, 1), "train_s": round(train_s, 1),
@@ -114,24 +118,28 @@ def main(argv=None) -> int:
         "wall_per_step_first10pct_median_s": round(_median(walls[1:n + 1]), 4),
         "wall_per_step_last10pct_median_s": round(_median(walls[-n:]), 4),
         "wall_per_step_mean_s": round(statistics.mean(walls[1:]), 4),
-        "run_dir_mib": [(s, round(b / 2**20, 2)) for s, b in disk],
-        "run_dir_max_after_pruning_mib": round(max(after_prune) / 2**20, 2) if after_prune else None,
+        "checkpoints_mib": [(s, round(b / 2**20, 2)) for s, b, _ in disk],
+        "other_files_mib": [(s, round(o / 2**20, 2)) for s, _, o in disk],  # metrics, tb
+        "other_files_kib_per_step": round(disk[-1][2] / 1024 / disk[-1][0], 2),
+        "checkpoints_min_max_after_pruning_mib": [round(min(after_prune) / 2**20, 2),
+                                                  round(max(after_prune) / 2**20, 2)]
+        if after_prune else None,
         "checkpoints_kept": sorted(int(x) for x in os.listdir(os.path.join(run_dir, "checkpoints"))
                                    if x.isdigit()),
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
     }
-    bounded = (not after_prune or max(after_prune) <= 1.05 * min(after_prune))
+    bounded = not after_prune or max(after_prune) <= 1.05 * min(after_prune)
     summary["healthy"] = bool(summary["nonfinite_values"] == 0 and summary["rss_growth_pct"] < 5
                               and abs(summary["step_time_drift_pct"]) < 10 and bounded)
     print(json.dumps(summary, indent=1))
     print(f"| steps | non-finite values | RSS after 10% -> end | step time median first -> "
-          f"last 10% | run.dir after pruning (max) | wall |\n| --- | --- | --- | --- | --- | --- |\n"
+          f"last 10% | checkpoints/ after pruning (min-max) | wall |\n| --- | --- | --- | --- | --- | --- |\n"
           f"| {summary['steps']} | {summary['nonfinite_values']} | {summary['rss_at_10pct_mib']} "
           f"-> {summary['rss_end_mib']} MiB ({summary['rss_growth_pct']:+.2f}%) | "
           f"{first * 1000:.1f} -> {last * 1000:.1f} ms ({summary['step_time_drift_pct']:+.2f}%) | "
-          f"{summary['run_dir_max_after_pruning_mib']} MiB | {build_s:.0f}s build + "
+          f"{summary['checkpoints_min_max_after_pruning_mib']} MiB | {build_s:.0f}s build + "
           f"{train_s:.0f}s train |")
     if args.out:
         with open(args.out, "w") as fh:

@@ -25,8 +25,9 @@ The parts, each in its own module: the run plan (`plan`: host-side checks, devic
 cluster (`cluster`: meshes, placement, weight sync), the models before training (`build`:
 loading, warm-up, export), draft initialisation and training (`drafting`), rollout
 production (`rollouts`: data, generation, reward), the jitted steps (`steps`), the run
-state and its checkpoint (`state`) and the logged row with the collapse alarm
-(`metrics`). `GRPOTrainer` composes them and runs the loop.
+state and its checkpoint (`state`), the logged row with the collapse alarm (`metrics`) and
+what stops a run early (`faults`: stop signals, the divergence guard's errors, run.dir
+checks, exit codes). `GRPOTrainer` composes them and runs the loop.
 """
 
 from __future__ import annotations
