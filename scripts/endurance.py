@@ -76,14 +76,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     trainer = GRPOTrainer(cfg, log=lambda line: print(line, file=sys.stderr))
     build_s = time.perf_counter() - t0
-    step_times, walls, rss, disk, bad = [], [], [], [], []
-    previous = [time.perf_counter()]
+    step_times, walls, cpu, rss, disk, bad = [], [], [], [], [], []
+    previous = [time.perf_counter(), time.process_time()]
 
     def on_step(step, row):
         step_times.append(row["time/step"])
         now = time.perf_counter()
         walls.append(now - previous[0])  # the step with its metrics row and checkpoint save
-        previous[0] = now
+        cpu.append(time.process_time() - previous[1])  # CPU seconds: less load-sensitive
+        previous[0], previous[1] = now, time.process_time()
         rss.append(proc.memory_info().rss)
         for k, v in row.items():
             if v is None or k in ("nonfinite", "nonfinite_skipped"):
@@ -97,6 +98,7 @@ def main(argv=None) -> int:
                   f"acc_len {row['acceptance_length']:.2f}", file=sys.stderr, flush=True)
 
     t1 = previous[0] = time.perf_counter()
+    previous[1] = time.process_time()
     trainer.run(on_step=on_step)
     train_s = time.perf_counter() - t1
     n = max(len(step_times) // 10, 1)
@@ -118,6 +120,9 @@ def main(argv=None) -> int:
         "wall_per_step_first10pct_median_s": round(_median(walls[1:n + 1]), 4),
         "wall_per_step_last10pct_median_s": round(_median(walls[-n:]), 4),
         "wall_per_step_mean_s": round(statistics.mean(walls[1:]), 4),
+        "cpu_per_step_first10pct_median_s": round(_median(cpu[1:n + 1]), 4),
+        "cpu_per_step_last10pct_median_s": round(_median(cpu[-n:]), 4),
+        "cpu_per_step_drift_pct": round(100 * (_median(cpu[-n:]) / _median(cpu[1:n + 1]) - 1), 2),
         "checkpoints_mib": [(s, round(b / 2**20, 2)) for s, b, _ in disk],
         "other_files_mib": [(s, round(o / 2**20, 2)) for s, _, o in disk],  # metrics, tb
         "other_files_kib_per_step": round(disk[-1][2] / 1024 / disk[-1][0], 2),
@@ -143,7 +148,7 @@ def main(argv=None) -> int:
           f"{train_s:.0f}s train |")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump(dict(summary, step_times=step_times, walls=walls, rss=rss), fh)
+            json.dump(dict(summary, step_times=step_times, walls=walls, cpu=cpu, rss=rss), fh)
     shutil.rmtree(run_dir, ignore_errors=True)
     return 0 if summary["healthy"] else 1
 

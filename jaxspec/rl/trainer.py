@@ -319,10 +319,12 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step: Callable[[int, dict], None] | None = None, *,
-            stop: StopSignals | None = None) -> list[dict]:
+            stop: StopSignals | None = None) -> dict | None:
         """Train until cfg.run.steps: metrics to <run.dir>/metrics.jsonl (and TensorBoard),
         checkpoints every run.save_every steps and at the end. `on_step(step, row)` is
-        called after each step's metrics are written (and its checkpoint saved).
+        called after each step's metrics are written (and its checkpoint saved). Returns
+        the last row written (None when no step ran); every row is in metrics.jsonl
+        (`read_metrics`): none is kept in memory, so a long run's memory stays flat.
 
         Stops early, each time with the last completed step checkpointed (when finite):
         SIGTERM / SIGINT (`stop`, or handlers installed for the run) raise Preempted after
@@ -347,16 +349,16 @@ class GRPOTrainer:
         self.log(f"generation compiled ({time.perf_counter() - start:.1f}s)")
         resume = self.completed if self.plan.resume_step is not None else None
         try:
-            rows = self._loop(MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn),
-                              stop, on_step)
+            row = self._loop(MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn),
+                             stop, on_step)
         except OSError as e:  # metrics.jsonl or tb/ cannot be written
             raise SaveFailed("the metrics", e.filename or cfg.run.dir, e,
                              self.saved_step) from e
         self.export()
-        return rows
+        return row
 
-    def _loop(self, writer: MetricsWriter, stop: StopSignals, on_step) -> list[dict]:
-        cfg, rows = self.cfg, []
+    def _loop(self, writer: MetricsWriter, stop: StopSignals, on_step) -> dict | None:
+        cfg, row = self.cfg, None
         with writer:
             while self.completed < cfg.run.steps:
                 self._check_stop(stop)
@@ -367,13 +369,12 @@ class GRPOTrainer:
                     self._save_last_finite()
                     raise
                 row = writer.write(self.completed, metrics)
-                rows.append(row)
                 every = cfg.run.save_every
                 if (every and self.completed % every == 0) or self.completed == cfg.run.steps:
                     self.save()
                 if on_step is not None:
                     on_step(self.completed, row)
-        return rows
+        return row
 
     def _check_stop(self, stop: StopSignals) -> None:
         """After a stop signal (agreed by all processes): checkpoint the last completed
