@@ -612,6 +612,10 @@ class RunSpec(_Section):
     log_every: int = _field(1, **_ge(1))
     resume: bool = False
     compare_plain: int = _field(5, **_ge(0))  # also time plain generation every N steps; 0 = off
+    # a non-finite loss, gradient norm or parameter: the update is never applied; "stop"
+    # ends the run (exit 3), "skip" goes on without it, at most max_nonfinite_skips in a row
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_nonfinite_skips: int = _field(3, **_ge(1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,8 +125,9 @@ class MetricsWriter:
     if the run had never stopped."""
 
     def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None,
-                 tensorboard: bool = True):
+                 tensorboard: bool = True, log: Callable[[str], None] | None = None):
         self.run_dir = os.fspath(run_dir)
+        self._log = log or _log.warning
         os.makedirs(self.run_dir, exist_ok=True)
         self.path = os.path.join(self.run_dir, "metrics.jsonl")
         if resume_step is None:
@@ -143,11 +144,16 @@ class MetricsWriter:
                 self._tb = SummaryWriter(os.path.join(self.run_dir, "tb"))
 
     def _truncate_after(self, step: int) -> None:
+        """Keep the rows up to `step`; a torn line (a run killed mid-write) is dropped and
+        reported. Rewritten atomically."""
         if not os.path.exists(self.path):
             return
-        with open(self.path) as fh:
-            keep = [line for line in fh
-                    if line.strip() and json.loads(line).get("step", -1) <= step]
+        rows, torn = _read_rows(self.path)
+        if torn:
+            self._log(f"{self.path}: dropped {len(torn)} torn line(s) left by an interrupted "
+                      f"run (line {', '.join(str(i) for i, _ in torn)}: "
+                      f"{torn[0][1][:60]!r}...)")
+        keep = [json.dumps(r) + "\n" for r in rows if r.get("step", -1) <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as fh:
             fh.writelines(keep)
@@ -208,9 +214,30 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: not a run directory of "
                                 f"scripts/train_grpo.py")
-    with open(path) as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
+    rows, torn = _read_rows(path)
+    if torn:
+        _log.warning("%s: skipped %d torn line(s) (line %s) left by an interrupted run", path,
+                     len(torn), ", ".join(str(i) for i, _ in torn))
     return sorted(rows, key=lambda r: r["step"])
+
+
+def _read_rows(path: str) -> tuple[list[dict], list[tuple[int, str]]]:
+    """(the parsed rows of a JSONL file, [(line number, text)] of lines that are not a
+    JSON object: torn by a crash mid-write)."""
+    rows, torn = [], []
+    with open(path, errors="replace") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if isinstance(row, dict) and "step" in row:
+                rows.append(row)
+            else:
+                torn.append((i, line.strip()))
+    return rows, torn
 
 
 def _mean(values) -> float | None:

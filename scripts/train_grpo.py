@@ -10,6 +10,13 @@ resolved config), metrics.jsonl (one line per step), tb/ (TensorBoard, when tens
 installed), checkpoints/ (every run.save_every steps and at the end), policy/ and eagle3/
 (the final policy and draft in HF / vLLM-SGLang layout). Plots: scripts/report.py RUN_DIR.
 A bad config or input stops with one `error:` line before anything compiles (exit code 2).
+
+Exit codes (jaxspec.rl.faults): 0 done; 2 bad config or input, or run.dir not writable / no
+room for a checkpoint; 3 diverged (a non-finite loss, gradient norm or parameter: the update
+was not applied, the last finite step is checkpointed and exported); 74 a checkpoint or
+export could not be written (the previous checkpoint stays the resume point); 75 stopped by
+SIGTERM / SIGINT after checkpointing the last completed step (requeue with --resume); 128 +
+the signal's number: a second signal, exit at once.
 """
 
 from __future__ import annotations
@@ -37,29 +44,30 @@ def main(argv=None) -> int:
 
     from jaxspec.config import ConfigError, load_config
     from jaxspec.metrics import format_step_line, read_metrics, run_summary
+    from jaxspec.rl import faults
     from jaxspec.rl.trainer import GRPOTrainer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
-    try:
-        cfg = load_config(args.config, overrides)
-        trainer = GRPOTrainer(cfg, log=tqdm.write)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    total = cfg.run.steps
-    tqdm.write(f"GRPO: {args.config} -> {cfg.run.dir} | draft {cfg.draft.kind} k={cfg.draft.k} | "
-               f"{cfg.rollout.prompts_per_step}x{cfg.rollout.group_size} rollouts/step | "
-               f"{total} steps (ready after {time.perf_counter() - start:.1f}s)")
-    with tqdm(total=total, initial=trainer.completed, unit="step", dynamic_ncols=True,
-              file=sys.stderr) as bar:
-        def on_step(step, row):
-            if step % cfg.run.log_every == 0 or step == total:
-                tqdm.write(format_step_line(step, row, total_steps=total))
-            bar.set_postfix(reward=f"{row['reward']:.3f}", acc_len=f"{row['acceptance_length']:.2f}")
-            bar.update(1)
-
-        trainer.run(on_step=on_step)
+    # SIGTERM / SIGINT from here on: checkpoint the last completed step, exit 75
+    with faults.StopSignals(log=tqdm.write) as stop:
+        try:
+            cfg = load_config(args.config, overrides)
+            trainer = GRPOTrainer(cfg, log=tqdm.write)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            _train(cfg, trainer, stop, args.config, start, tqdm, format_step_line)
+        except faults.Preempted as e:
+            print(f"{e}", file=sys.stderr, flush=True)
+            return faults.EXIT_PREEMPTED
+        except faults.Diverged as e:
+            print(f"error: {e} (exit code {faults.EXIT_DIVERGED})", file=sys.stderr, flush=True)
+            return faults.EXIT_DIVERGED
+        except faults.SaveFailed as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return faults.EXIT_SAVE_FAILED
     summary = run_summary(read_metrics(cfg.run.dir))
     tqdm.write(
         f"done in {time.perf_counter() - start:.1f}s | reward first fifth "
@@ -71,6 +79,24 @@ def main(argv=None) -> int:
            if summary.get("generation_speedup") is not None else "")
         + f" | plots: python scripts/report.py {cfg.run.dir}")
     return 0
+
+
+def _train(cfg, trainer, stop, config_path, start, tqdm, format_step_line) -> None:
+    """The training loop with its progress bar and one line per step."""
+    total = cfg.run.steps
+    tqdm.write(f"GRPO: {config_path} -> {cfg.run.dir} | draft {cfg.draft.kind} k={cfg.draft.k} | "
+               f"{cfg.rollout.prompts_per_step}x{cfg.rollout.group_size} rollouts/step | "
+               f"{total} steps (ready after {time.perf_counter() - start:.1f}s)")
+    with tqdm(total=total, initial=trainer.completed, unit="step", dynamic_ncols=True,
+              file=sys.stderr) as bar:
+        def on_step(step, row):
+            if step % cfg.run.log_every == 0 or step == total:
+                tqdm.write(format_step_line(step, row, total_steps=total))
+            bar.set_postfix(reward=f"{row['reward']:.3f}",
+                            acc_len=f"{row['acceptance_length'] or float('nan'):.2f}")
+            bar.update(1)
+
+        trainer.run(on_step=on_step, stop=stop)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,11 @@ from jaxspec.checkpoint import CheckpointManager
 from jaxspec.config import Config, ConfigError, draft_headroom
 from jaxspec.decoding import drafters as drafters_lib
 from jaxspec.kernels import resolve_backend
-from jaxspec.models import ModelConfig
+from jaxspec.models import ModelConfig, Policy
 from jaxspec.rl import tasks as tasks_lib
+from jaxspec.rl.faults import RunDirError, check_run_dir
 
-__all__ = ["HFTokenizer", "RunPlan", "prepare_run"]
+__all__ = ["HFTokenizer", "RunPlan", "checkpoint_bytes", "prepare_run"]
 
 
 
@@ -112,6 +113,21 @@ def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
 
 def _tiny_model_config(spec, vocab: int) -> ModelConfig:
     return spec.model_config(vocab)  # the schema built and checked the same ModelConfig
+
+
+def checkpoint_bytes(cfg: Config, model_config: ModelConfig,
+                     draft_model_config: ModelConfig | None = None) -> int:
+    """An estimate of one checkpoint's size: the policy's params, its AdamW moments (2x)
+    and the reference (KL), plus a small draft model and its moments. (An EAGLE-3 head is
+    about one decoder layer and is left out.)"""
+    def nbytes(config):
+        params = Policy.abstract(config).params
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+    total = nbytes(model_config) * (3 + (cfg.grpo.kl_coef > 0))
+    if draft_model_config is not None:
+        total += nbytes(draft_model_config) * 3
+    return total
 
 
 def _checkpoint_dir(cfg: Config) -> str:
@@ -262,6 +278,12 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                               f"the {batch} rollouts of a step do not split over the {shards} "
                               f"batch shards of the {key} devices",
                               f"prompts_per_step x group_size divisible by {shards}")
+    # run.dir takes files, and a checkpoint fits.
+    try:
+        check_run_dir(cfg.run.dir, checkpoint_bytes(cfg, model_config, draft_model_config))
+    except RunDirError as e:
+        raise ConfigError("run.dir", cfg.run.dir, str(e),
+                          "a writable directory with room for a checkpoint") from None
     # Checkpoints.
     ckpt = _checkpoint_dir(cfg)
     steps = _saved_steps(ckpt)

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from jaxspec.checkpoint import CheckpointManager
+from jaxspec.rl.faults import Diverged, all_finite
 
 __all__ = ["RunState", "restore_checkpoint", "save_checkpoint"]
 
@@ -29,6 +30,7 @@ class RunState:
     queue: list = dataclasses.field(default_factory=list)  # RolloutBatch of later steps (async)
     completed: int = 0
     collapsed_steps: int = 0  # consecutive steps below the acceptance-collapse threshold
+    skipped_steps: int = 0  # consecutive non-finite updates skipped (run.on_nonfinite skip)
 
     @property
     def models(self) -> tuple:
@@ -51,15 +53,22 @@ class RunState:
 
     def meta(self, prompts_per_step: int) -> dict:
         return {"step": self.completed, "data_position": self.completed * prompts_per_step,
-                "collapsed_steps": self.collapsed_steps,
+                "collapsed_steps": self.collapsed_steps, "skipped_steps": self.skipped_steps,
                 "queue": [int(b.step) for b in self.queue]}
 
 
 def save_checkpoint(directory: str, state: RunState, *, prompts_per_step: int,
                     keep: int | None) -> None:
-    """Checkpoint `state` as step `state.completed`, keeping the last `keep`."""
+    """Checkpoint `state` as step `state.completed`, keeping the last `keep`. A state with a
+    non-finite model or optimizer value is refused (Diverged) before anything is written, so a checkpoint is
+    always finite and pruning never drops the last finite one for a later, diverged one."""
+    tree = state.tree()
+    finite, bad = all_finite({k: v for k, v in tree.items() if k not in ("queue", "key")})
+    if not finite:
+        raise Diverged(f"diverged: the state of step {state.completed} holds non-finite values "
+                       f"({bad} tensors); not checkpointed")
     with CheckpointManager(directory, max_to_keep=keep) as mgr:
-        mgr.save(state.completed, state.tree(), state.meta(prompts_per_step))
+        mgr.save(state.completed, tree, state.meta(prompts_per_step))
 
 
 def restore_checkpoint(directory: str, step: int, state: RunState,
@@ -87,3 +96,4 @@ def restore_checkpoint(directory: str, step: int, state: RunState,
         state.draft_model = state.draft_model.replace(params=tree["draft_model"])
     state.completed = int(meta["step"])
     state.collapsed_steps = int(meta["collapsed_steps"])
+    state.skipped_steps = int(meta.get("skipped_steps", 0))

@@ -16,6 +16,7 @@ from jaxspec.rl.draft import draft_train_step
 from jaxspec.rl.grpo import grpo_loss
 
 __all__ = [
+    "FINITE_KEYS",
     "POLICY_INPUTS",
     "draft_update",
     "make_optimizer",
@@ -117,6 +118,7 @@ def score_rollouts(
 POLICY_INPUTS = ("tokens", "positions", "mask", "logprobs", "gen_logprobs", "entropy",
                  "ref_logprobs")  # what the policy update reads of the logprob stage
 _MIN_KEYS = ("ratio_min",)
+FINITE_KEYS = ("finite_loss", "finite_grad_norm", "finite_params")  # 1.0 / 0.0 flags
 _MAX_KEYS = ("ratio_max", "logprob_mismatch_max")
 
 
@@ -152,19 +154,42 @@ def policy_update(
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), metrics
 
-    (params, opt_state), metrics = jax.lax.scan(body, (policy.params, opt_state), data)
+    (params, new_opt_state), metrics = jax.lax.scan(body, (policy.params, opt_state), data)
     out = {}
     for k, v in metrics.items():
         out[k] = v.min() if k in _MIN_KEYS else v.max() if k in _MAX_KEYS else v.mean()
+    # the divergence guard: a non-finite loss, gradient norm or new parameter keeps the old
+    # params and optimizer state (a select: finite steps are bitwise what they were)
+    flags = (jnp.all(jnp.isfinite(metrics["loss"])), jnp.all(jnp.isfinite(metrics["grad_norm"])),
+             _tree_finite(params))
+    params, opt_state = _keep_if_finite(flags, (params, new_opt_state), (policy.params, opt_state))
+    out.update({k: f for k, f in zip(FINITE_KEYS, flags, strict=True)})
     return policy.replace(params=params), opt_state, out
+
+
+def _tree_finite(tree) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _keep_if_finite(flags, new, old):
+    """`new` when every flag holds, else `old` (leaf by leaf, same structure)."""
+    ok = functools.reduce(jnp.logical_and, flags)
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer", "loss_cfg"))
 def draft_update(head, opt_state, policy: Policy, scored: dict, *, optimizer, loss_cfg):
     """One TTT update of the EAGLE-3 head on the logprob stage's (stop-gradient) features:
     `scored` is score_rollouts' output with capture on; `policy` gives the frozen embedding.
-    Returns (head, opt_state, metrics)."""
-    return draft_train_step(head, opt_state, optimizer, policy.embed, scored["features"],
-                            scored["tokens"], scored["target_logits"], scored["response"],
-                            loss_cfg)
+    Returns (head, opt_state, metrics); a non-finite loss, gradient norm or new parameter
+    keeps the old head and optimizer state (the FINITE_KEYS flags say which)."""
+    new_head, new_opt_state, metrics = draft_train_step(
+        head, opt_state, optimizer, policy.embed, scored["features"], scored["tokens"],
+        scored["target_logits"], scored["response"], loss_cfg)
+    flags = (jnp.isfinite(metrics["draft_loss"]), jnp.isfinite(metrics["draft_grad_norm"]),
+             _tree_finite(new_head.params))
+    head, opt_state = _keep_if_finite(flags, (new_head, new_opt_state), (head, opt_state))
+    metrics.update({k: f for k, f in zip(FINITE_KEYS, flags, strict=True)})
+    return head, opt_state, metrics
 

@@ -25,8 +25,9 @@ The parts, each in its own module: the run plan (`plan`: host-side checks, devic
 cluster (`cluster`: meshes, placement, weight sync), the models before training (`build`:
 loading, warm-up, export), draft initialisation and training (`drafting`), rollout
 production (`rollouts`: data, generation, reward), the jitted steps (`steps`), the run
-state and its checkpoint (`state`) and the logged row with the collapse alarm
-(`metrics`). `GRPOTrainer` composes them and runs the loop.
+state and its checkpoint (`state`), the logged row with the collapse alarm (`metrics`) and
+what stops a run early (`faults`: stop signals, the divergence guard's errors, run.dir
+checks, exit codes). `GRPOTrainer` composes them and runs the loop.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.rl.build import build_draft_model, build_policy, export_models
 from jaxspec.rl.cluster import Cluster
 from jaxspec.rl.drafting import DraftLearner
+from jaxspec.rl.faults import Diverged, Preempted, SaveFailed, StopSignals, all_finite
 from jaxspec.rl.grpo import group_advantages
 from jaxspec.rl.metrics import collapse_alarm, step_metrics
 from jaxspec.rl.plan import HFTokenizer, RunPlan, _checkpoint_dir, prepare_run
 from jaxspec.rl.rollouts import RolloutBatch, RolloutWorker, abstract_batch, make_drafter
 from jaxspec.rl.state import RunState, restore_checkpoint, save_checkpoint
 from jaxspec.rl.steps import (
+    FINITE_KEYS,
     POLICY_INPUTS,
     make_optimizer,
     policy_update,
@@ -104,6 +107,7 @@ class GRPOTrainer:
     queue = _state_field("queue")
     completed = _state_field("completed")  # steps done = policy version
     collapsed_steps = _state_field("collapsed_steps")
+    skipped_steps = _state_field("skipped_steps")
 
     def __init__(self, cfg: Config, *, policy: Policy | None = None,
                  head: Eagle3Head | None = None, draft_model: Policy | None = None,
@@ -128,8 +132,10 @@ class GRPOTrainer:
         self.last_scored: dict | None = None
         self.warmup_history: dict[str, Any] = {}  # what the warm-up and draft init did
         self.state = self._build(policy, head, draft_model)
+        self.saved_step: int | None = None  # the newest checkpoint (the resume point)
         if plan.resume_step is not None:
             self._restore(plan.resume_step)
+            self.saved_step = plan.resume_step
         self._place()
 
     # ------------------------------------------------------------------ building
@@ -182,10 +188,20 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        """Checkpoint everything needed to continue as step `completed`."""
-        save_checkpoint(_checkpoint_dir(self.cfg), self.state,
-                        prompts_per_step=self.cfg.rollout.prompts_per_step,
-                        keep=self.cfg.run.keep_checkpoints)
+        """Checkpoint everything needed to continue as step `completed`. A non-finite state
+        is refused (Diverged); a failing write (disk full, read-only, ...) raises SaveFailed
+        naming the path and the cause, and the previous checkpoint stays the resume point."""
+        directory = _checkpoint_dir(self.cfg)
+        try:
+            save_checkpoint(directory, self.state,
+                            prompts_per_step=self.cfg.rollout.prompts_per_step,
+                            keep=self.cfg.run.keep_checkpoints)
+        except Diverged:
+            raise
+        except Exception as e:  # OSError, orbax / tensorstore errors (RESOURCE_EXHAUSTED...)
+            raise SaveFailed(f"the checkpoint of step {self.completed}", directory, e,
+                             self.saved_step) from e
+        self.saved_step = self.completed
 
     def _restore(self, step: int) -> None:
         drafter = make_drafter(self.cfg.draft, self.plan.tree, self.head, self.draft_model)
@@ -230,6 +246,7 @@ class GRPOTrainer:
                 s.policy, s.ref_params, (batch.prompts, batch.prompt_lengths, batch.tokens,
                                          batch.lengths, batch.gen_logprobs),
                 sampling=self.sampling, capture=capture, filtered=self.filtered))
+        before = (s.head, s.draft_opt_state)  # what a stopped (diverged) step goes back to
         with timer.stage("training") as st:
             adv = group_advantages(batch.rewards, cfg.rollout.group_size,
                                    normalize_std=cfg.grpo.normalize_std,
@@ -246,46 +263,146 @@ class GRPOTrainer:
                     s.head, s.draft_opt_state, draft_metrics = self.draft.update(
                         s.head, s.draft_opt_state, scored_by, scored)
             st.ready((s.policy.params, s.head))
-        s.completed += 1
         self.last_batch, self.last_scored = batch, scored
-        m = step_metrics(batch, grpo_metrics, draft_metrics, completed=s.completed)
+        problem = self._nonfinite(grpo_metrics, draft_metrics)
+        m = step_metrics(batch, grpo_metrics, draft_metrics, completed=s.completed + 1)
+        if problem is not None:
+            m["nonfinite"] = 1  # the guard kept the old params: nothing was applied
+            m.update(timer.summary())
+            if cfg.run.on_nonfinite == "skip" and s.skipped_steps < cfg.run.max_nonfinite_skips:
+                s.skipped_steps += 1
+                self._warn(f"step {done + 1}: {problem}; update skipped "
+                           f"({s.skipped_steps}/{cfg.run.max_nonfinite_skips} in a row)")
+                s.completed += 1
+                m["nonfinite_skipped"] = 1
+                return m
+            # stop: back to the state of the last completed step, this step's batch included
+            s.head, s.draft_opt_state = before
+            s.queue.insert(0, batch)
+            reason = (f"{s.skipped_steps + 1} non-finite steps in a row"
+                      if cfg.run.on_nonfinite == "skip" else "run.on_nonfinite=stop")
+            raise Diverged(f"diverged at step {done + 1}: {problem}; the update was not "
+                           f"applied ({reason}); the last finite state is step {done}",
+                           step=done + 1, metrics=m)
+        s.skipped_steps = 0
+        s.completed += 1
         if cfg.draft.kind != "none":
             s.collapsed_steps, warning = collapse_alarm(
                 m["acceptance_length"], s.collapsed_steps,
                 threshold=cfg.draft.collapse_threshold, patience=cfg.draft.collapse_patience)
             m["alarm/acceptance_collapse"] = int(warning is not None)
             if warning is not None:
-                self.log(warning) if self._custom_log else _log.warning(warning)
+                self._warn(warning)
         m.update(timer.summary())
         return m
 
+    def _warn(self, line: str) -> None:
+        self.log(line) if self._custom_log else _log.warning(line)
+
+    @staticmethod
+    def _nonfinite(grpo_metrics: dict, draft_metrics: dict) -> str | None:
+        """Pops the update guards' flags; None when both updates were finite, else what
+        was not (the metric and its value)."""
+        for prefix, metrics, loss in (("grpo", grpo_metrics, "loss"),
+                                      ("draft", draft_metrics, "draft_loss")):
+            flags = {k: bool(metrics.pop(k)) for k in FINITE_KEYS if k in metrics}
+            if all(flags.values()):
+                continue
+            if not flags["finite_loss"]:
+                return f"{prefix}/loss is {float(metrics[loss])}"
+            if not flags["finite_grad_norm"]:
+                grad = "grad_norm" if prefix == "grpo" else "draft_grad_norm"
+                return f"{prefix}/grad_norm is {float(metrics[grad])}"
+            what = "policy" if prefix == "grpo" else "draft head"
+            return f"the updated {what} parameters are non-finite"
+        return None
+
     # ------------------------------------------------------------------ the loop
-    def run(self, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    def run(self, on_step: Callable[[int, dict], None] | None = None, *,
+            stop: StopSignals | None = None) -> dict | None:
         """Train until cfg.run.steps: metrics to <run.dir>/metrics.jsonl (and TensorBoard),
         checkpoints every run.save_every steps and at the end. `on_step(step, row)` is
-        called after each step's metrics are written (and its checkpoint saved)."""
+        called after each step's metrics are written (and its checkpoint saved). Returns
+        the last row written (None when no step ran); every row is in metrics.jsonl
+        (`read_metrics`): none is kept in memory, so a long run's memory stays flat.
+
+        Stops early, each time with the last completed step checkpointed (when finite):
+        SIGTERM / SIGINT (`stop`, or handlers installed for the run) raise Preempted after
+        the current step; a non-finite update raises Diverged (its row is written with
+        `nonfinite: 1`); a failing write raises SaveFailed."""
+        if stop is None:
+            with StopSignals(log=self.log) as own:
+                return self.run(on_step, stop=own)
         cfg = self.cfg
-        os.makedirs(cfg.run.dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
-        rows = []
+        try:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+            save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
+        except OSError as e:
+            raise SaveFailed("the resolved config", cfg.run.dir, e, self.saved_step) from e
+        finite, bad = all_finite([m for m in self.state.models if m is not None])
+        if not finite:  # generation (and acceptance) against a non-finite policy means nothing
+            raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
+                           f"tensors: not generating from them", step=self.completed)
+        self._check_stop(stop)  # a signal during the warm-up
         start = time.perf_counter()
         self.compile()
         self.log(f"generation compiled ({time.perf_counter() - start:.1f}s)")
         resume = self.completed if self.plan.resume_step is not None else None
-        with MetricsWriter(cfg.run.dir, resume_step=resume) as writer:
+        try:
+            row = self._loop(MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn),
+                             stop, on_step)
+        except OSError as e:  # metrics.jsonl or tb/ cannot be written
+            raise SaveFailed("the metrics", e.filename or cfg.run.dir, e,
+                             self.saved_step) from e
+        self.export()
+        return row
+
+    def _loop(self, writer: MetricsWriter, stop: StopSignals, on_step) -> dict | None:
+        cfg, row = self.cfg, None
+        with writer:
             while self.completed < cfg.run.steps:
-                metrics = self.step()
+                self._check_stop(stop)
+                try:
+                    metrics = self.step()
+                except Diverged as e:
+                    writer.write(e.step, e.metrics)
+                    self._save_last_finite()
+                    raise
                 row = writer.write(self.completed, metrics)
-                rows.append(row)
                 every = cfg.run.save_every
                 if (every and self.completed % every == 0) or self.completed == cfg.run.steps:
                     self.save()
                 if on_step is not None:
                     on_step(self.completed, row)
+        return row
+
+    def _check_stop(self, stop: StopSignals) -> None:
+        """After a stop signal (agreed by all processes): checkpoint the last completed
+        step (unless it is the newest checkpoint already) and raise Preempted."""
+        signame = stop.agreed(self.completed)
+        if signame is None:
+            return
+        if self.saved_step != self.completed:
+            self.save()
+        raise Preempted(signame, self.completed, _checkpoint_dir(self.cfg))
+
+    def _save_last_finite(self) -> None:
+        """After a divergence: the last completed (finite) step checkpointed and exported."""
+        if self.saved_step != self.completed:
+            self.save()
         self.export()
-        return rows
+        self._warn(f"the last finite state, step {self.completed}, is checkpointed in "
+                   f"{_checkpoint_dir(self.cfg)} and exported to {self.cfg.run.dir}")
 
     def export(self) -> None:
         """The trained policy to <run.dir>/policy (HF safetensors) and an EAGLE-3 head to
         <run.dir>/eagle3 (the vLLM / SGLang layout), for serving or scripts/bench_rollout.py."""
-        export_models(self.cfg.run.dir, self.policy, self.head)
+        finite, bad = all_finite([self.policy, self.head])
+        if not finite:
+            raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
+                           f"tensors: not exported", step=self.completed)
+        try:
+            export_models(self.cfg.run.dir, self.policy, self.head)
+        except OSError as e:
+            raise SaveFailed(f"the models of step {self.completed}", self.cfg.run.dir, e,
+                             self.saved_step) from e
