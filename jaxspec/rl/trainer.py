@@ -205,7 +205,7 @@ class GRPOTrainer:
 
     def _restore(self, step: int) -> None:
         drafter = make_drafter(self.cfg.draft, self.plan.tree, self.head, self.draft_model)
-        depth = 0 if drafter is None else drafter.max_depth
+        depth = drafter.max_depth  # 0 for NoDrafter
         r = self.cfg.rollout
         ckpt = _checkpoint_dir(self.cfg)
         restore_checkpoint(ckpt, step, self.state, lambda: abstract_batch(
