@@ -17,7 +17,7 @@ from scipy import stats
 
 from jaxspec.decoding import SamplingConfig, process_logits
 from jaxspec.decoding.drafters import (
-    DraftContext, Eagle3Drafter, TreeSpec,
+    DraftContext, Eagle3Drafter, NGramDrafter, TreeSpec,
 )
 from jaxspec.decoding.engine import generate
 from jaxspec.models import ModelConfig, Policy
@@ -39,6 +39,7 @@ def policy():
 def drafters(policy):
     head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
     return {
+        "ngram": NGramDrafter(k=3, min_n=1, max_n=2),
         "eagle3_chain": Eagle3Drafter(head, k=3),
         "eagle3_tree": Eagle3Drafter(head, tree=TreeSpec(top_k=3, depth=3, budget=7)),
     }
@@ -56,10 +57,11 @@ def _split_vs_one(policy, drafter, method, temperature):
     return one, tokens, logprobs
 
 
-# Replay walks a tree with position-keyed noise (greedy uses no noise); rejection samples
-# drafts through `DraftContext.draft_keys`, which every sampling drafter shares
-# (tests/decoding/test_engine.py covers speculative == plain for each drafter).
-CASES = [("replay", "eagle3_tree", 1.0), ("rejection", "eagle3_chain", 1.0)]
+# Greedy (no noise, a model-free chain); replay walks a tree with position-keyed noise;
+# rejection samples drafts through `DraftContext.draft_keys`, which every sampling drafter
+# shares (tests/decoding/test_engine.py covers speculative == plain for each drafter).
+CASES = [("greedy", "ngram", 0.0), ("replay", "eagle3_tree", 1.0),
+         ("rejection", "eagle3_chain", 1.0)]
 
 
 @pytest.mark.parametrize("method,name,temperature", CASES)
