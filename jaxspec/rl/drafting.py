@@ -75,7 +75,7 @@ class DraftLearner:
         corpus = draft_corpus(
             cluster.place_for_generation(policy), prompts, lengths,
             batch_size=r.prompts_per_step * r.group_size, max_new_tokens=r.max_new_tokens,
-            sampling=self.sampling, stop_tokens=(tokenizer.eos_id,),
+            sampling=self.sampling, stop_tokens=tuple(tokenizer.eos_ids),
             key=jax.random.fold_in(key, 1), pad_id=tokenizer.pad_id,
             generate_fn=lambda *a, **kw: cluster.generate(*a, method=r.method, **kw))
         on_train = cluster.place_policy(policy)

@@ -21,58 +21,11 @@ from jaxspec.decoding import drafters as drafters_lib
 from jaxspec.kernels import resolve_backend
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.rl import tasks as tasks_lib
+from jaxspec.rl.cluster import mesh_sizes
 from jaxspec.rl.faults import RunDirError, check_run_dir
+from jaxspec.rl.tokenizer import HFTokenizer
 
 __all__ = ["HFTokenizer", "RunPlan", "checkpoint_bytes", "prepare_run"]
-
-
-
-class HFTokenizer:
-    """The `CharTokenizer` interface over a local `transformers` tokenizer (no downloads)."""
-
-    # The files one of which a transformers tokenizer is built from (fast, BPE, sentencepiece).
-    FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        if not any(os.path.isfile(os.path.join(path, f)) for f in self.FILES):
-            raise ValueError(f"{path} has no tokenizer files (one of {', '.join(self.FILES)}); "
-                             "copy them beside config.json")
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        if len(self._tok) == 0:
-            raise ValueError(f"the tokenizer in {path} is empty")
-        if self._tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {path} has no EOS token (rollouts need one to stop)")
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
-
-    @property
-    def pad_id(self) -> int:
-        pad = self._tok.pad_token_id
-        return self._tok.eos_token_id if pad is None else pad
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._tok.bos_token_id
-
-    @property
-    def eos_id(self) -> int:
-        return self._tok.eos_token_id
-
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False)
-        if bos and self.bos_id is not None:
-            ids = [self.bos_id] + ids
-        return ids + ([self.eos_id] if eos else [])
-
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
-        return self._tok.decode(ids, skip_special_tokens=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +122,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     tokenizer = task.tokenizer
     if tokenizer is None:
         try:
-            tokenizer = HFTokenizer(cfg.model.hf_path)
+            tokenizer = HFTokenizer(cfg.model.hf_path, chat_template=cfg.task.chat_template)
         except (OSError, ValueError) as e:
             raise ConfigError("model.hf_path", cfg.model.hf_path, f"no usable tokenizer ({e})",
                               "a HF directory with tokenizer files") from None
@@ -194,7 +147,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     else:
         prompts = [(i, ex.prompt) for i, ex in enumerate(task.batch(0, r.prompts_per_step))]
     for i, text in prompts:
-        n = len(tokenizer.encode(text, bos=True))
+        n = len(tokenizer.encode_prompt(text))  # as generation sees it: templated
         if n > r.max_prompt_len:
             raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
                               f"prompt {i} ({text[:40]!r}...) has {n} tokens: longer than the "
@@ -256,10 +209,10 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                               f"each >= 1") from None
     else:
         gen = train = devices
-    meshes = {}
-    for key, group, data in (("generation", gen, -1), ("training", train, cfg.mesh.data)):
+    meshes, sizes = {}, mesh_sizes(cfg.mesh, len(gen), len(train))
+    for key, group in (("generation", gen), ("training", train)):
         try:
-            meshes[key] = parallel.make_mesh(data, cfg.mesh.fsdp, cfg.mesh.tensor, list(group))
+            meshes[key] = parallel.make_mesh(*sizes[key], list(group))
         except ValueError as e:
             raise ConfigError("mesh", {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp,
                                        "tensor": cfg.mesh.tensor},

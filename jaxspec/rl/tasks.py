@@ -28,6 +28,7 @@ class CharTokenizer:
 
     PAD, BOS, EOS = 0, 1, 2
     ALPHABET = "0123456789+-*/=(),.:; "
+    chat_template = False  # prompts are raw text (base-model tasks)
 
     def __init__(self):
         self._id = {c: i + 3 for i, c in enumerate(self.ALPHABET)}
@@ -47,6 +48,15 @@ class CharTokenizer:
     @property
     def eos_id(self) -> int:
         return self.EOS
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a completion (the stop tokens of generation)."""
+        return (self.EOS,)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the policy sees it: BOS + the text."""
+        return self.encode(text, bos=True)
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = []
