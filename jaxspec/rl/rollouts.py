@@ -19,7 +19,7 @@ from jaxspec.rl.cluster import Cluster
 from jaxspec.rl.state import RunState
 
 __all__ = ["RolloutBatch", "RolloutWorker", "abstract_batch", "completions_ended",
-           "encode_prompts", "make_drafter"]
+           "encode_prompts", "make_drafter", "score_completions"]
 
 
 @jax.tree_util.register_dataclass
@@ -88,6 +88,29 @@ def completions_ended(
     return (lengths > 0) & np.isin(last, np.asarray(list(eos_ids)))
 
 
+def score_completions(
+    task,
+    tokenizer,
+    examples,  # the step's prompts (Example), each repeated group_size times in the rows
+    tokens,  # [B, N] int generated tokens, right-padded
+    lengths,  # [B] int
+    *,
+    group_size: int,
+    truncated_reward: str = "zero",
+) -> np.ndarray:  # [B] float32
+    """The task's reward of each completion's text up to its first EOS. A truncated
+    completion (no EOS within max_new_tokens) is unfinished: reward 0 under
+    truncated_reward 'zero' (rollout.truncated_reward's default), its text's score under
+    'score'."""
+    ended = completions_ended(tokens, lengths, tokenizer.eos_ids)
+    out = np.zeros((len(lengths),), np.float32)
+    for i in range(len(lengths)):
+        if ended[i] or truncated_reward == "score":
+            completion = tokenizer.decode(tokens[i, :lengths[i]])
+            out[i] = task.reward(examples[i // group_size], completion)
+    return out
+
+
 def make_drafter(draft_cfg, tree, head=None, draft_model=None):
     """The drafter of `draft.kind` over the given (generation-side) head or draft model;
     `NoDrafter` (the empty tree) for plain decoding."""
@@ -143,18 +166,9 @@ class RolloutWorker:
         return completions_ended(tokens, lengths, self.tokenizer.eos_ids)
 
     def rewards(self, examples, tokens, lengths) -> np.ndarray:  # [B] float32
-        """The task's reward of each completion's text up to its first EOS; a truncated
-        completion (no EOS within max_new_tokens) gets 0 under rollout.truncated_reward
-        'zero' (the default), its text's score under 'score'."""
-        g = self.cfg.rollout.group_size
-        score_truncated = self.cfg.rollout.truncated_reward == "score"
-        ended = self.ended(tokens, lengths)
-        out = np.zeros((len(lengths),), np.float32)
-        for i in range(len(lengths)):
-            if ended[i] or score_truncated:
-                completion = self.tokenizer.decode(tokens[i, :lengths[i]])
-                out[i] = self.task.reward(examples[i // g], completion)
-        return out
+        r = self.cfg.rollout
+        return score_completions(self.task, self.tokenizer, examples, tokens, lengths,
+                                 group_size=r.group_size, truncated_reward=r.truncated_reward)
 
     def produce(self, state: RunState, step: int, timer: StageTimer,
                 compare: bool) -> RolloutBatch:

@@ -144,3 +144,31 @@ def test_train_draft_with_the_qwen3_config(qwen, tmp_path):
     assert _script("train_draft").main([QWEN, *overrides]) == 0
     config = json.loads((run_dir / "eagle3" / "config.json").read_text())
     assert config["draft_vocab_size"] == 64
+
+
+def test_a_later_prompt_too_long_once_templated_is_one_error_before_compiling(
+        qwen, tmp_path, capsys, caplog):
+    """The whole JSONL is checked at plan time, as the policy will see it (templated): the
+    last prompt fits max_prompt_len as raw text, not inside the chat template."""
+    import logging
+
+    import jax
+    from transformers import AutoTokenizer
+
+    path, _, _ = qwen
+    long = "What is " + " + ".join(str(i) for i in range(1, 16)) + "?"
+    hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    raw = len(hf.encode(long, add_special_tokens=False))
+    templated = len(hf.apply_chat_template([{"role": "user", "content": long}], tokenize=True,
+                                           add_generation_prompt=True, return_dict=False))
+    assert raw < templated
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
+                            for p, a in PROMPTS + [(long, "120")]))
+    overrides = [*_overrides(path, data, tmp_path / "run"), f"rollout.max_prompt_len={raw}"]
+    with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+        assert _script("train_grpo").main([QWEN, *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: config key 'rollout.max_prompt_len'"), err
+    assert f"prompt {len(PROMPTS)} " in err[0] and f"has {templated} tokens" in err[0], err[0]
+    assert not [r for r in caplog.records if "ompil" in r.getMessage()]
