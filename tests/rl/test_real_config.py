@@ -172,3 +172,29 @@ def test_a_later_prompt_too_long_once_templated_is_one_error_before_compiling(
     assert len(err) == 1 and err[0].startswith("error: config key 'rollout.max_prompt_len'"), err
     assert f"prompt {len(PROMPTS)} " in err[0] and f"has {templated} tokens" in err[0], err[0]
     assert not [r for r in caplog.records if "ompil" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mesh,n_gen,n_train,gen,train", [
+    ((1, -1, 1), 8, 8, (1, 8, 1), (1, 8, 1)),  # the shipped config: fsdp over every device
+    ((2, -1, 1), 8, 8, (2, 4, 1), (2, 4, 1)),
+    ((1, -1, 2), 8, 8, (1, 4, 2), (1, 4, 2)),
+    ((-1, 2, 1), 8, 8, (4, 2, 1), (4, 2, 1)),  # the tiny configs' data=-1 as before
+    ((1, -1, 1), 2, 6, (1, 2, 1), (1, 6, 1)),  # async: a smaller generation group
+    ((1, 2, -1), 8, 8, (1, 2, 4), (1, 2, 4)),
+])
+def test_generation_mesh_resolves_the_training_fsdp(mesh, n_gen, n_train, gen, train):
+    """Generation: the training mesh's fsdp and tensor sizes (resolved), data the rest;
+    checked against the meshes `make_mesh` builds from the sizes."""
+    import types
+
+    import jax
+
+    from jaxspec import parallel
+    from jaxspec.rl.cluster import mesh_sizes
+
+    spec = types.SimpleNamespace(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    sizes = mesh_sizes(spec, n_gen, n_train)
+    devices = jax.devices()
+    for key, n, want in (("generation", n_gen, gen), ("training", n_train, train)):
+        built = parallel.make_mesh(*sizes[key], devices[:n])
+        assert tuple(built.shape[a] for a in ("data", "fsdp", "tensor")) == want, key
