@@ -606,6 +606,10 @@ class TaskSpec(_Section):
         if self.name != "jsonl" and self.path is not None:
             raise ConfigError("path", self.path, f"task '{self.name}' reads no file",
                               "null (path is for task 'jsonl')")
+        if self.name != "jsonl" and self.chat_template is True:
+            raise ConfigError("chat_template", True, f"task '{self.name}' uses its own "
+                              "character tokenizer, which has no chat template",
+                              "'auto' or false (templates are for task 'jsonl' with an HF model)")
 
 
 @dataclasses.dataclass(frozen=True)

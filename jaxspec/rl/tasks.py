@@ -447,7 +447,8 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
 
 class JsonlTask(Task):
     """Math prompts from a JSONL file, visited in a fresh seeded order every epoch;
-    reward 1 when the completion's answer (boxed, else last number) matches."""
+    reward 1 when the completion's final answer matches (`answers.check_answer`:
+    math-verify, with our checker where it gives no verdict)."""
 
     name = "jsonl"
 

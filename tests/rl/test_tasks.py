@@ -361,3 +361,19 @@ def test_truncated_completions_score_zero_unless_configured():
                               truncated_reward="score")
     np.testing.assert_array_equal(zero, [1.0, 0.0, 1.0, 0.0])
     np.testing.assert_array_equal(score, [1.0, 1.0, 1.0, 0.0])
+
+
+def test_chat_template_and_truncated_reward_keys():
+    from jaxspec.config import ConfigError, load_config
+
+    cfg = load_config(None)
+    assert cfg.task.chat_template == "auto" and cfg.rollout.truncated_reward == "zero"
+    cfg = load_config(None, ["task.chat_template=false", "rollout.truncated_reward=score"])
+    assert cfg.task.chat_template is False and cfg.rollout.truncated_reward == "score"
+    for override, key, words in [
+            ("task.chat_template=true", "task.chat_template", "has no chat template"),
+            ("task.chat_template=maybe", "task.chat_template", "'auto'"),
+            ("rollout.truncated_reward=half", "rollout.truncated_reward", "'zero', 'score'")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert e.value.key == key and words in str(e.value), str(e.value)
