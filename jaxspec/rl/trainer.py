@@ -395,14 +395,18 @@ class GRPOTrainer:
                    f"{_checkpoint_dir(self.cfg)} and exported to {self.cfg.run.dir}")
 
     def export(self) -> None:
-        """The trained policy to <run.dir>/policy (HF safetensors) and an EAGLE-3 head to
-        <run.dir>/eagle3 (the vLLM / SGLang layout), for serving or scripts/bench_rollout.py."""
+        """The trained policy to <run.dir>/policy (HF safetensors with the tokenizer files,
+        generation_config.json and special ids: `AutoTokenizer` and a server use it as it is)
+        and an EAGLE-3 head to <run.dir>/eagle3 (the vLLM / SGLang layout, the captured layers
+        in both servers' fields), for serving or scripts/bench_rollout.py."""
         finite, bad = all_finite([self.policy, self.head])
         if not finite:
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
                            f"tensors: not exported", step=self.completed)
         try:
-            export_models(self.cfg.run.dir, self.policy, self.head)
+            export_models(self.cfg.run.dir, self.policy, self.head,
+                          source=self.cfg.model.hf_path,
+                          tokenizer=self.tokenizer if self.cfg.model.hf_path is None else None)
         except OSError as e:
             raise SaveFailed(f"the models of step {self.completed}", self.cfg.run.dir, e,
                              self.saved_step) from e
