@@ -3,7 +3,7 @@
 
     python scripts/train_grpo.py configs/tiny.yaml                    # the embedded default, CPU
     python scripts/train_grpo.py configs/tiny.yaml run.dir=runs/k4 draft.k=4
-    python scripts/train_grpo.py configs/tiny.yaml run.dir=runs/k4 --resume
+    python scripts/train_grpo.py runs/k4/config.yaml --resume           # continue that run
 
 Overrides are `dotted.key=value` (YAML values). Writes into run.dir: config.yaml (the
 resolved config), metrics.jsonl (one line per step), tb/ (TensorBoard, when tensorboardX is

@@ -86,6 +86,9 @@ class RunPlan:
     generation_devices: tuple
     training_devices: tuple
     resume_step: int | None  # the checkpoint a resumed run restarts from
+    # a resumed run's changes from its saved config.yaml: {dotted key: (saved, now)}, none
+    # of them to what the checkpoint holds (those are refused)
+    config_changes: dict = dataclasses.field(default_factory=dict)
 
 
 def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
@@ -153,6 +156,40 @@ def _checkpoint_dir(cfg: Config) -> str:
     return os.path.join(cfg.run.dir, "checkpoints")
 
 
+def saved_config_path(cfg: Config) -> str:
+    return os.path.join(cfg.run.dir, "config.yaml")
+
+
+def _resume_changes(cfg: Config) -> dict:
+    """A resumed run against the config.yaml its first start saved: one ConfigError naming
+    every key whose change the checkpoint cannot be restored into; the other changes."""
+    import yaml
+
+    from jaxspec.config import from_dict, to_dict
+    from jaxspec.rl.state import config_changes
+
+    path = saved_config_path(cfg)
+    if not os.path.isfile(path):
+        return {}  # no saved config: the checkpoint check below decides
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh) or {}
+        saved = to_dict(from_dict(raw))  # defaults filled as now
+    except (OSError, yaml.YAMLError, ConfigError) as e:
+        raise ConfigError("run.resume", True, f"the saved config {path} cannot be read ({e})",
+                          "a run.dir whose config.yaml the run wrote") from None
+    shaping, other = config_changes(saved, to_dict(cfg))
+    if shaping:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in shaping.items())
+        now = {k: b for k, (_, b) in shaping.items()}
+        raise ConfigError(", ".join(shaping), now.popitem()[1] if len(now) == 1 else now,
+                          f"the run in {cfg.run.dir} was saved with other values of what its "
+                          f"checkpoint holds ({listed}), so it cannot resume with these",
+                          f"the saved values (resume with `{path}` as the config, adding only "
+                          f"the changes you mean), or a new run.dir")
+    return other
+
+
 def _saved_steps(directory: str) -> list[int]:
     if not os.path.isdir(directory):
         return []
@@ -164,6 +201,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     and its data, the tokenizer, prompt lengths against the cache, the draft against the
     policy, the device split, and the checkpoint to resume from. Raises one ConfigError."""
     d, r = cfg.draft, cfg.rollout
+    changes = _resume_changes(cfg) if cfg.run.resume else {}  # before orbax is touched
     if d.kind == "mtp":
         raise ConfigError("draft.kind", "mtp", "the GRPO trainer has no MTP training loss",
                           "'eagle3', 'draft_model', 'ngram' or 'none'")
@@ -310,6 +348,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                           "run.resume=true to continue it, or a new run.dir")
     return RunPlan(task=task, tokenizer=tokenizer, model_config=model_config,
                    draft_model_config=draft_model_config, tree=tree, generation_devices=gen,
-                   training_devices=train, resume_step=steps[-1] if cfg.run.resume else None)
+                   training_devices=train, resume_step=steps[-1] if cfg.run.resume else None,
+                   config_changes=changes)
 
 
