@@ -276,6 +276,10 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                               f"the head in draft.hf_path has {head.draft_vocab_size}",
                               f"null or {head.draft_vocab_size}")
         draft_vocab = head.draft_vocab_size
+        if d.layers is not None and tuple(d.layers) != head.capture_layers:
+            raise ConfigError("draft.layers", list(d.layers),
+                              f"the head in draft.hf_path was trained on layer outputs "
+                              f"{list(head.capture_layers)}", f"null or {list(head.capture_layers)}")
     if tree is not None and tree.top_k > draft_vocab:
         raise ConfigError("draft.tree.top_k", tree.top_k,
                           f"larger than the draft vocabulary ({draft_vocab} tokens): a node has "
