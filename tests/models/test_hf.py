@@ -316,11 +316,11 @@ def test_config_preset_matches_the_hf_tiny_model(hf):
 def test_run_export_with_the_builtin_tokenizer_is_servable(tmp_path):
     """A tiny run's policy/: AutoTokenizer round-trips the character tokenizer, the special
     ids are in config.json and generation_config.json stops at EOS."""
+    import jax
+
     from jaxspec.models import Policy
     from jaxspec.rl.build import export_models
     from jaxspec.rl.tasks import CharTokenizer
-
-    import jax
 
     tok = CharTokenizer()
     policy = Policy.init(ModelConfig.tiny("qwen3").replace(vocab_size=32), jax.random.key(0))
