@@ -51,7 +51,8 @@ class DraftLearner:
         d = cfg.draft
         if d.hf_path is not None:
             return load_eagle3(d.hf_path, dtype=cfg.model.dtype,
-                               attention_backend=cfg.model.attention_backend), None
+                               attention_backend=cfg.model.attention_backend,
+                               target_num_layers=self.plan.model_config.num_layers), None
         size = d.draft_vocab_size or self.plan.model_config.vocab_size
         if resuming:
             return jax.eval_shape(lambda: Eagle3Head.init_for(
