@@ -109,7 +109,7 @@ def _prompts(args, vocab: int):
     if args.prompts or args.tokenizer:
         if not (args.prompts and args.tokenizer):
             raise SystemExit("--prompts and --tokenizer go together (a JSONL file and its tokenizer)")
-        from jaxspec.rl.trainer import HFTokenizer
+        from jaxspec.rl.tokenizer import HFTokenizer
 
         tok = HFTokenizer(args.tokenizer)
         with open(args.prompts, encoding="utf-8") as fh:
@@ -123,7 +123,7 @@ def _prompts(args, vocab: int):
         tok = CharTokenizer()
         task = make_task(args.task, seed=args.seed, **json.loads(args.task_params))
         texts = [ex.prompt for ex in task.batch(HELDOUT, args.num_prompts)]
-    ids = [tok.encode(t, bos=tok.bos_id is not None) for t in texts]
+    ids = [tok.encode_prompt(t) for t in texts]  # the chat template where the tokenizer has one
     if tok.vocab_size > vocab:
         raise SystemExit(f"the tokenizer has {tok.vocab_size} ids; the policy's vocabulary {vocab}")
     return ids, tok
@@ -204,7 +204,8 @@ def main(argv=None) -> int:
     vocab = policy.config.vocab_size
     ids, tok = _prompts(args, vocab)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [len(ids)]
-    head = load_eagle3(args.eagle3) if args.eagle3 else None
+    head = (load_eagle3(args.eagle3, target_num_layers=policy.config.num_layers)
+            if args.eagle3 else None)
     small = load_hf(args.draft_model) if args.draft_model else None
     sampling = SamplingConfig(temperature=args.temperature)
     key = jax.random.key(args.seed)
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
     for batch in batches:
         prompts = pad_prompts([ids[i % len(ids)] for i in range(batch)], tok.pad_id)
         common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, key=key,
-                      stop_tokens=(tok.eos_id,), pad_id=tok.pad_id)
+                      stop_tokens=tuple(tok.eos_ids), pad_id=tok.pad_id)
         run_plain = lambda prompts=prompts, common=common: generate(policy, prompts, **common, method=plain_method)  # noqa: E731
         plain = run_plain()  # compile
         longest = int(np.max(plain.lengths))

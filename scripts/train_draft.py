@@ -67,7 +67,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     policy, head = train_draft(cfg, plan)
-    export_models(cfg.run.dir, policy, head)
+    export_models(cfg.run.dir, policy, head, source=cfg.model.hf_path,
+                  tokenizer=plan.tokenizer if cfg.model.hf_path is None else None)
     print(f"draft trained in {time.perf_counter() - start:.1f}s -> {cfg.run.dir}/eagle3 "
           f"(policy in {cfg.run.dir}/policy); next: python scripts/bench_rollout.py "
           f"--policy {cfg.run.dir}/policy --eagle3 {cfg.run.dir}/eagle3")

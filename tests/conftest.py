@@ -1,5 +1,6 @@
 """Shared test set-up: persistent compilation cache, CPU determinism, the gpu marker."""
 
+import gc
 import os
 import pathlib
 
@@ -15,6 +16,18 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """Drop every compiled executable after each test module. Each XLA CPU executable keeps
+    tens to hundreds of memory mappings; one pytest process that keeps all of the suite's
+    (~600 tests) passed Linux's default vm.max_map_count (65,530) and crashed inside XLA
+    (SIGSEGV writing the compilation cache, SIGABRT compiling). The persistent cache makes
+    a later module's recompile of a shared function a cache read."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
 def _has_gpu() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices())
@@ -23,11 +36,6 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # The sharded train step runs first: after the rest of the suite has loaded hundreds of
-    # XLA CPU executables into this process, compiling it segfaulted inside XLA (seen twice,
-    # never when it runs first or alone); running it first keeps the check, not the crash.
-    first = [i for i in items if "test_train_step.py" in i.nodeid]
-    items[:] = first + [i for i in items if i not in first]
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run with JAXSPEC_TEST_PLATFORMS=cuda on one")
