@@ -25,8 +25,10 @@ class Cluster:
     Generation uses data=-1 (every generation device splits the rollout rows); training
     uses the config's mesh shape. `rules` maps logical parameter axes to mesh axes."""
 
-    def __init__(self, mesh_cfg, generation_devices: Sequence, training_devices: Sequence):
+    def __init__(self, mesh_cfg, generation_devices: Sequence, training_devices: Sequence,
+                 *, score_options: dict | None = None):
         self.rules = mesh_cfg.rules
+        self.score_options = dict(score_options or {})  # score_rollouts' chunk, micro_batch
         self.gen_mesh = parallel.make_mesh(-1, mesh_cfg.fsdp, mesh_cfg.tensor,
                                            list(generation_devices))
         self.train_mesh = parallel.make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor,
@@ -34,7 +36,9 @@ class Cluster:
 
     @classmethod
     def from_plan(cls, cfg, plan) -> Cluster:
-        return cls(cfg.mesh, plan.generation_devices, plan.training_devices)
+        return cls(cfg.mesh, plan.generation_devices, plan.training_devices,
+                   score_options=dict(chunk=cfg.grpo.logprob_chunk,
+                                      micro_batch=cfg.grpo.micro_batch))
 
     # ------------------------------------------------------------------ training side
     def training(self):
@@ -64,7 +68,7 @@ class Cluster:
         arrays = self.shard_batch(dict(zip(_SCORED_INPUTS, batch, strict=True)))
         with self.training():
             return score_rollouts(policy, ref_params, **arrays, sampling=sampling,
-                                  capture=capture, filtered=filtered)
+                                  capture=capture, filtered=filtered, **self.score_options)
 
     # ------------------------------------------------------------------ generation side
     def sync_weights(self, policy, head=None, draft_model=None):

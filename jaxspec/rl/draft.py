@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxspec.rl import chunked
+
 
 def _ttt_attention(q, k0, v0, diag_k, diag_v, valid):
     """q [B,T,Hq,D]; k0/v0 [B,T,Hkv,D] step-0 keys; diag_* lists of [B,T,Hkv,D]; valid [B,T]."""
@@ -48,13 +50,21 @@ def ttt_logits(head, params, embed_fn, features, tokens, valid, steps: int):
     frozen embeddings.
     """
     module = nnx.merge(head.graphdef, params, head.buffers)
+    hidden = ttt_hidden(head, params, embed_fn, features, tokens, valid, steps)
+    return jnp.stack([module.logits(h) for h in hidden])
+
+
+def ttt_hidden(head, params, embed_fn, features, tokens, valid, steps: int):
+    """The unrolled head's hidden states before its final norm, one [B, T, H] per step
+    (its logits are `module.logits` of them); arguments as `ttt_logits`."""
+    module = nnx.merge(head.graphdef, params, head.buffers)
     b, t = tokens.shape
     dtype = head.config.layer.param_dtype
     features = jax.lax.stop_gradient(features).astype(dtype)
     base_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     hidden = module.fuse(features)
     k0 = v0 = None
-    diag_k, diag_v, out_logits = [], [], []
+    diag_k, diag_v, out = [], [], []
     for s in range(steps):
         nxt = jnp.roll(tokens, -(1 + s), axis=1)
         embeds = jax.lax.stop_gradient(embed_fn(nxt)).astype(dtype)
@@ -67,49 +77,90 @@ def ttt_logits(head, params, embed_fn, features, tokens, valid, steps: int):
             diag_v.append(v)
         attn = _ttt_attention(q, k0, v0, diag_k, diag_v, valid)
         hidden = module.finish(hidden, attn)
-        out_logits.append(module.logits(hidden))
-    return jnp.stack(out_logits)
+        out.append(hidden)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftLossConfig:
     steps: int = 7
     decay: float = 0.8
+    chunk: int = 8192  # vocabulary entries per chunk of the fused LM heads (TargetHead); 0: whole
 
 
-def draft_loss(head, params, embed_fn, features, tokens, target_logits, loss_mask, cfg: DraftLossConfig):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetHead:
+    """The policy's logits as final-normed hidden states and its LM head, so the draft loss
+    computes them in chunks (jaxspec.rl.chunked) instead of holding [B, T, V]."""
+
+    hidden: jax.Array  # [B, T, H]
+    weight: jax.Array  # [V, H] (vocab_axis 0, tied embeddings) or [H, V] (vocab_axis 1)
+    vocab_axis: int = dataclasses.field(default=1, metadata=dict(static=True))
+    invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+def draft_loss(head, params, embed_fn, features, tokens, target, loss_mask, cfg: DraftLossConfig):
     """Σ_s decay^s · soft-CE_s; returns (loss, metrics).
 
-    target_logits [B,T,V] the policy's logits (position t predicts token t+1);
+    target: the policy's logits [B,T,V] (position t predicts token t+1), or a TargetHead,
+    with which the target and draft logits are computed in vocabulary chunks of cfg.chunk;
     loss_mask [B,T] true where token t is a response token (the draft is trained to
     predict those only).
     """
     b, t = tokens.shape
     valid = jnp.ones((b, t), bool)
-    logits = ttt_logits(head, params, embed_fn, features, tokens, valid, cfg.steps)
     ids = head.draft_to_target()
-    target_logits = jax.lax.stop_gradient(target_logits.astype(jnp.float32))
     in_draft = jnp.zeros((head.config.vocab_size,), bool).at[ids].set(True)
-    target_argmax_ok = in_draft[jnp.argmax(target_logits, axis=-1)]  # [B,T]
-    p_draft = jax.nn.softmax(target_logits[..., ids], axis=-1)  # [B,T,Vd]
+    if isinstance(target, TargetHead):
+        term = _chunked_ce_terms(head, params, embed_fn, features, tokens, valid, target, ids, cfg)
+        target_argmax_ok = in_draft[term.pop("argmax")]
+    else:
+        logits = ttt_logits(head, params, embed_fn, features, tokens, valid, cfg.steps)
+        target_logits = jax.lax.stop_gradient(target.astype(jnp.float32))
+        target_argmax_ok = in_draft[jnp.argmax(target_logits, axis=-1)]  # [B,T]
+        p_draft = jax.nn.softmax(target_logits[..., ids], axis=-1)  # [B,T,Vd]
+
+        def term(s):  # (soft CE, argmaxes agree) [B,T] of step s
+            tgt = jnp.roll(p_draft, -(1 + s), axis=1)
+            logq = jax.nn.log_softmax(logits[s], axis=-1)
+            return -jnp.sum(tgt * logq, axis=-1), jnp.argmax(logits[s], -1) == jnp.argmax(tgt, -1)
     total = jnp.zeros((), jnp.float32)
     metrics: dict[str, Any] = {}
     pos = jnp.arange(t)[None, :]
     for s in range(cfg.steps):
         # Step s at position t predicts token t+2+s from the target's logits at t+1+s.
         shift = 1 + s
-        tgt = jnp.roll(p_draft, -shift, axis=1)
         ok = jnp.roll(loss_mask, -(shift + 1), axis=1) & jnp.roll(target_argmax_ok, -shift, axis=1) & (pos + shift + 1 < t)
-        logq = jax.nn.log_softmax(logits[s], axis=-1)
-        ce = -jnp.sum(tgt * logq, axis=-1)
+        ce, agree = term(s) if callable(term) else term[s]
         n = jnp.maximum(jnp.sum(ok), 1)
         loss_s = jnp.sum(jnp.where(ok, ce, 0.0)) / n
-        acc_s = jnp.sum(ok & (jnp.argmax(logits[s], -1) == jnp.argmax(tgt, -1))) / n
+        acc_s = jnp.sum(ok & agree) / n
         total = total + cfg.decay**s * loss_s
         metrics[f"draft_loss_{s}"] = loss_s
         metrics[f"draft_acc_{s}"] = acc_s
     metrics["draft_loss"] = total
     return total, metrics
+
+
+def _chunked_ce_terms(head, params, embed_fn, features, tokens, valid, target: TargetHead, ids, cfg):
+    """{step: (soft CE [B,T], argmaxes agree [B,T])} and "argmax": the target's top token
+    [B,T], each computed in vocabulary chunks fused with the two LM heads."""
+    module = nnx.merge(head.graphdef, params, head.buffers)
+    hidden = ttt_hidden(head, params, embed_fn, features, tokens, valid, cfg.steps)
+    b, t = tokens.shape
+    th = jax.lax.stop_gradient(target.hidden)
+    top = chunked.argmax(th.reshape(b * t, -1), target.weight, vocab_axis=target.vocab_axis,
+                         chunk=cfg.chunk, invariant=target.invariant)
+    w_draft = jnp.take(target.weight, ids, axis=target.vocab_axis)  # the target head on Vd
+    w_draft = w_draft.T if target.vocab_axis == 0 else w_draft  # [H, Vd]
+    terms: dict[Any, Any] = {"argmax": top.reshape(b, t)}
+    for s, h in enumerate(hidden):
+        tgt = jnp.roll(th, -(1 + s), axis=1).reshape(b * t, -1)
+        ce, agree = chunked.soft_cross_entropy(
+            tgt, w_draft, module.norm(h).reshape(b * t, -1), module.lm_head[...], chunk=cfg.chunk)
+        terms[s] = (ce.reshape(b, t), agree.reshape(b, t))
+    return terms
 
 
 def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, target_logits, loss_mask, cfg):
