@@ -82,7 +82,8 @@ def dense_logprobs(
     logp = jax.nn.log_softmax(z, axis=-1)
     lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     p = jnp.exp(logp)
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    # -inf outside the kept set: zeroed before the product, so its gradient is 0, not nan
+    entropy = -jnp.sum(p * jnp.where(jnp.isfinite(logp), logp, 0.0), axis=-1)
     return lp, entropy
 
 
