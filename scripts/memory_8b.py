@@ -28,6 +28,9 @@ def _args(argv):
     p.add_argument("--micro-batch", type=int, nargs="+", default=[0], help="grpo.micro_batch values")
     p.add_argument("--stage", choices=("score", "update", "both"), default="both")
     p.add_argument("--no-ref", action="store_true", help="no reference policy (kl_coef 0)")
+    p.add_argument("--filtered", action="store_true", help="top-k 20 / top-p 0.95 sampling")
+    p.add_argument("--capture", action="store_true",
+                   help="scoring also returns the EAGLE-3 features (layers 1, L/2-1, L-4)")
     return p.parse_args(argv)
 
 
@@ -50,6 +53,7 @@ def main(argv=None) -> int:
     from jaxspec import parallel
     from jaxspec.decoding.sampling import SamplingConfig
     from jaxspec.models import Policy
+    from jaxspec.models.config import default_eagle3_layers
     from jaxspec.rl.grpo import GRPOConfig
     from jaxspec.rl.steps import POLICY_INPUTS, make_optimizer, policy_update, score_rollouts
     from jaxspec.config import OptimSpec
@@ -68,7 +72,8 @@ def main(argv=None) -> int:
         spec = parallel.batch_sharding(mesh, len(shape))
         return jax.ShapeDtypeStruct(shape, dtype, sharding=spec)
 
-    sampling = SamplingConfig(1.0, 0, 1.0)
+    sampling = SamplingConfig(1.0, 20, 0.95) if args.filtered else SamplingConfig(1.0, 0, 1.0)
+    capture = default_eagle3_layers(args.layers) if args.capture else ()
     optimizer = make_optimizer(OptimSpec())
     opt_state = jax.eval_shape(optimizer.init, params)
     opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -76,7 +81,9 @@ def main(argv=None) -> int:
     gib = 2.0**30
     print(f"Qwen3-8B shape, {args.layers} layers, {policy.num_params / 1e9:.2f}B params bf16; "
           f"{b} rows x {t} tokens; fsdp={args.devices} CPU devices; reference policy: "
-          f"{'no' if ref is None else 'yes'}", flush=True)
+          f"{'no' if ref is None else 'yes'}; sampling top-k/top-p: "
+          f"{'20 / 0.95' if args.filtered else 'off'}; EAGLE-3 capture: {capture or 'off'}",
+          flush=True)
     print(f"{'stage':<8} {'chunk':>6} {'micro':>6} {'argument':>10} {'output':>10} {'temp':>10} "
           f"{'total':>10}  GiB per device  (compile s)", flush=True)
     for chunk in args.chunk:
@@ -91,14 +98,16 @@ def main(argv=None) -> int:
                         lowered = score_rollouts.lower(
                             policy, ref, rows((b, p), jnp.int32), rows((b,), jnp.int32),
                             rows((b, n), jnp.int32), rows((b,), jnp.int32),
-                            rows((b, n), jnp.float32), sampling, chunk=chunk, micro_batch=micro)
+                            rows((b, n), jnp.float32), sampling, capture=capture,
+                            filtered=args.filtered, chunk=chunk, micro_batch=micro)
                     else:
                         scored = {k: rows((b, t), jnp.int32 if k in ("tokens", "positions")
                                           else bool if k == "mask" else jnp.float32)
                                   for k in POLICY_INPUTS if k != "ref_logprobs" or ref is not None}
                         lowered = policy_update.lower(
                             policy, opt_state, scored, rows((b,), jnp.float32), sampling,
-                            optimizer=optimizer, grpo_cfg=cfg, minibatches=1, filtered=False)
+                            optimizer=optimizer, grpo_cfg=cfg, minibatches=1,
+                            filtered=args.filtered)
                     mem = lowered.compile().memory_analysis()
                 seconds = time.perf_counter() - start
                 arg, out, temp = (mem.argument_size_in_bytes, mem.output_size_in_bytes,
