@@ -12,6 +12,7 @@ device, from `compiled.memory_analysis()`, and the compile time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -26,7 +27,10 @@ def _args(argv):
     p.add_argument("--new-tokens", type=int, default=4096)
     p.add_argument("--chunk", type=int, nargs="+", default=[8192], help="grpo.logprob_chunk values")
     p.add_argument("--micro-batch", type=int, nargs="+", default=[0], help="grpo.micro_batch values")
-    p.add_argument("--stage", choices=("score", "update", "both"), default="both")
+    p.add_argument("--stage", choices=("score", "update", "both", "draft"), default="both",
+                   help="both = score and update; draft = the online EAGLE-3 TTT update")
+    p.add_argument("--draft-vocab", type=int, default=32_000)
+    p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--no-ref", action="store_true", help="no reference policy (kl_coef 0)")
     p.add_argument("--filtered", action="store_true", help="top-k 20 / top-p 0.95 sampling")
     p.add_argument("--capture", action="store_true",
@@ -49,13 +53,18 @@ def main(argv=None) -> int:
                                + f" --xla_force_host_platform_device_count={args.devices}")
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxspec import parallel
     from jaxspec.decoding.sampling import SamplingConfig
     from jaxspec.models import Policy
     from jaxspec.models.config import default_eagle3_layers
     from jaxspec.rl.grpo import GRPOConfig
-    from jaxspec.rl.steps import POLICY_INPUTS, make_optimizer, policy_update, score_rollouts
+    from jaxspec.models.eagle3 import Eagle3Head
+    from jaxspec.rl.draft import DraftLossConfig
+    from jaxspec.rl.steps import (POLICY_INPUTS, draft_update, make_optimizer, policy_update,
+                                  score_rollouts)
     from jaxspec.config import OptimSpec
 
     mesh = parallel.make_mesh(data=1, fsdp=args.devices, tensor=1)
@@ -78,6 +87,16 @@ def main(argv=None) -> int:
     opt_state = jax.eval_shape(optimizer.init, params)
     opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              opt_state, parallel.param_shardings(opt_state, mesh))
+    def placed(tree):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            tree, parallel.param_shardings(tree, mesh))
+
+    head = jax.eval_shape(lambda: Eagle3Head.init_for(policy, args.draft_vocab, jax.random.key(0)))
+    head = dataclasses.replace(head, params=placed(head.params), buffers=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+        head.buffers))
+    draft_optimizer = make_optimizer(OptimSpec(lr=5e-5, b2=0.95, clip_norm=0.5))
+    draft_opt_state = placed(jax.eval_shape(draft_optimizer.init, head.params))
     gib = 2.0**30
     print(f"Qwen3-8B shape, {args.layers} layers, {policy.num_params / 1e9:.2f}B params bf16; "
           f"{b} rows x {t} tokens; fsdp={args.devices} CPU devices; reference policy: "
@@ -91,6 +110,8 @@ def main(argv=None) -> int:
             cfg = GRPOConfig(kl_coef=0.0 if ref is None else 0.01, logprob_chunk=chunk,
                              micro_batch=micro)
             stages = ("score", "update") if args.stage == "both" else (args.stage,)
+            loss_cfg = DraftLossConfig(steps=args.ttt_steps, decay=0.8, chunk=chunk,
+                                       micro_batch=micro)
             for stage in stages:
                 start = time.perf_counter()
                 with jax.set_mesh(mesh):
@@ -100,6 +121,13 @@ def main(argv=None) -> int:
                             rows((b, n), jnp.int32), rows((b,), jnp.int32),
                             rows((b, n), jnp.float32), sampling, capture=capture,
                             filtered=args.filtered, chunk=chunk, micro_batch=micro)
+                    elif stage == "draft":
+                        h = policy.config.hidden_size
+                        scored = {"features": rows((b, t, 3 * h), jnp.bfloat16),
+                                  "target_hidden": rows((b, t, h), jnp.bfloat16),
+                                  "tokens": rows((b, t), jnp.int32), "response": rows((b, t), bool)}
+                        lowered = draft_update.lower(head, draft_opt_state, policy, scored,
+                                                     optimizer=draft_optimizer, loss_cfg=loss_cfg)
                     else:
                         scored = {k: rows((b, t), jnp.int32 if k in ("tokens", "positions")
                                           else bool if k == "mask" else jnp.float32)

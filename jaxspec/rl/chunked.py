@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jaxspec.decoding.sampling import SamplingConfig, process_logits
 from jaxspec.kernels.invariant import invariant_dot
 
-__all__ = ["argmax", "dense_logprobs", "lm_head", "soft_cross_entropy", "token_logprobs"]
+__all__ = ["argmax", "dense_logprobs", "join_rows", "lm_head", "soft_cross_entropy", "split_rows",
+           "token_logprobs"]
 
 
 def lm_head(policy) -> tuple[jax.Array, int]:
@@ -255,3 +256,17 @@ def soft_cross_entropy(
     init = (neg, zero, zero, neg, zero, neg, index, neg, index)
     (mt, st, cross, mq, sq, _, arg_t, _, arg_q), _ = jax.lax.scan(body, init, (tw, dw, starts))
     return mq + jnp.log(sq) - cross / st, arg_t == arg_q
+
+
+def split_rows(tree, micro: int):
+    """Every leaf's leading axis B -> [B // micro, micro]; micro-batch j takes rows j, j + n,
+    j + 2n, ... (n = B // micro), so a batch sharded in contiguous rows stays evenly sharded
+    inside each micro-batch."""
+    def split(x):
+        return x.reshape((micro, x.shape[0] // micro) + x.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(split, tree)
+
+
+def join_rows(tree):
+    """Inverse of split_rows."""
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape((-1,) + x.shape[2:]), tree)

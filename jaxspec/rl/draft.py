@@ -75,7 +75,9 @@ def ttt_hidden(head, params, embed_fn, features, tokens, valid, steps: int):
         else:
             diag_k.append(k)
             diag_v.append(v)
-        attn = _ttt_attention(q, k0, v0, diag_k, diag_v, valid)
+        # rematerialised in the backward: the [B, heads, T, T] scores of every step would
+        # otherwise stay alive until the backward reaches it
+        attn = jax.checkpoint(_ttt_attention)(q, k0, v0, diag_k, diag_v, valid)
         hidden = module.finish(hidden, attn)
         out.append(hidden)
     return out
@@ -86,6 +88,7 @@ class DraftLossConfig:
     steps: int = 7
     decay: float = 0.8
     chunk: int = 8192  # vocabulary entries per chunk of the fused LM heads (TargetHead); 0: whole
+    micro_batch: int = 0  # rows per forward; the gradient accumulates over them; 0: all rows
 
 
 @jax.tree_util.register_dataclass
@@ -100,26 +103,46 @@ class TargetHead:
     invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
-def draft_loss(head, params, embed_fn, features, tokens, target, loss_mask, cfg: DraftLossConfig):
+def _target_argmax_ok(head, target, cfg):
+    """[B, T] bool: the target's top token at t is in the draft vocabulary (no gradient)."""
+    in_draft = jnp.zeros((head.config.vocab_size,), bool).at[head.draft_to_target()].set(True)
+    if not isinstance(target, TargetHead):
+        return in_draft[jnp.argmax(jax.lax.stop_gradient(target), axis=-1)]
+    b, t, _ = target.hidden.shape
+    top = chunked.argmax(target.hidden.reshape(b * t, -1), target.weight, chunk=cfg.chunk,
+                         vocab_axis=target.vocab_axis, invariant=target.invariant)
+    return in_draft[top.reshape(b, t)]
+
+
+def _counts(loss_mask, argmax_ok, s: int):
+    """[B, T] bool: positions whose step-s prediction (token t+2+s, from the target's logits
+    at t+1+s) counts: a response token, the target's top token in the draft vocabulary."""
+    t = loss_mask.shape[1]
+    shift = 1 + s
+    return (jnp.roll(loss_mask, -(shift + 1), axis=1) & jnp.roll(argmax_ok, -shift, axis=1)
+            & (jnp.arange(t)[None, :] + shift + 1 < t))
+
+
+def draft_loss(head, params, embed_fn, features, tokens, target, loss_mask, cfg: DraftLossConfig,
+               *, denominators=None):
     """Σ_s decay^s · soft-CE_s; returns (loss, metrics).
 
     target: the policy's logits [B,T,V] (position t predicts token t+1), or a TargetHead,
     with which the target and draft logits are computed in vocabulary chunks of cfg.chunk;
     loss_mask [B,T] true where token t is a response token (the draft is trained to
-    predict those only).
+    predict those only). denominators [steps] or None: the positions that count at each
+    step in the whole batch when this call sees one micro-batch of it (the loss and the
+    metrics are then this micro-batch's parts of the batch's).
     """
     b, t = tokens.shape
     valid = jnp.ones((b, t), bool)
-    ids = head.draft_to_target()
-    in_draft = jnp.zeros((head.config.vocab_size,), bool).at[ids].set(True)
+    argmax_ok = _target_argmax_ok(head, target, cfg)
     if isinstance(target, TargetHead):
-        term = _chunked_ce_terms(head, params, embed_fn, features, tokens, valid, target, ids, cfg)
-        target_argmax_ok = in_draft[term.pop("argmax")]
+        term = _chunked_ce_terms(head, params, embed_fn, features, tokens, valid, target, cfg)
     else:
         logits = ttt_logits(head, params, embed_fn, features, tokens, valid, cfg.steps)
         target_logits = jax.lax.stop_gradient(target.astype(jnp.float32))
-        target_argmax_ok = in_draft[jnp.argmax(target_logits, axis=-1)]  # [B,T]
-        p_draft = jax.nn.softmax(target_logits[..., ids], axis=-1)  # [B,T,Vd]
+        p_draft = jax.nn.softmax(target_logits[..., head.draft_to_target()], axis=-1)  # [B,T,Vd]
 
         def term(s):  # (soft CE, argmaxes agree) [B,T] of step s
             tgt = jnp.roll(p_draft, -(1 + s), axis=1)
@@ -127,13 +150,10 @@ def draft_loss(head, params, embed_fn, features, tokens, target, loss_mask, cfg:
             return -jnp.sum(tgt * logq, axis=-1), jnp.argmax(logits[s], -1) == jnp.argmax(tgt, -1)
     total = jnp.zeros((), jnp.float32)
     metrics: dict[str, Any] = {}
-    pos = jnp.arange(t)[None, :]
     for s in range(cfg.steps):
-        # Step s at position t predicts token t+2+s from the target's logits at t+1+s.
-        shift = 1 + s
-        ok = jnp.roll(loss_mask, -(shift + 1), axis=1) & jnp.roll(target_argmax_ok, -shift, axis=1) & (pos + shift + 1 < t)
-        ce, agree = term(s) if callable(term) else term[s]
-        n = jnp.maximum(jnp.sum(ok), 1)
+        ok = _counts(loss_mask, argmax_ok, s)
+        ce, agree = term(s)
+        n = jnp.maximum(jnp.sum(ok), 1) if denominators is None else denominators[s]
         loss_s = jnp.sum(jnp.where(ok, ce, 0.0)) / n
         acc_s = jnp.sum(ok & agree) / n
         total = total + cfg.decay**s * loss_s
@@ -143,35 +163,68 @@ def draft_loss(head, params, embed_fn, features, tokens, target, loss_mask, cfg:
     return total, metrics
 
 
-def _chunked_ce_terms(head, params, embed_fn, features, tokens, valid, target: TargetHead, ids, cfg):
-    """{step: (soft CE [B,T], argmaxes agree [B,T])} and "argmax": the target's top token
-    [B,T], each computed in vocabulary chunks fused with the two LM heads."""
+def _chunked_ce_terms(head, params, embed_fn, features, tokens, valid, target: TargetHead, cfg):
+    """step s -> (soft CE [B,T], argmaxes agree [B,T]), computed in draft-vocabulary chunks
+    fused with the two LM heads."""
     module = nnx.merge(head.graphdef, params, head.buffers)
     hidden = ttt_hidden(head, params, embed_fn, features, tokens, valid, cfg.steps)
     b, t = tokens.shape
     th = jax.lax.stop_gradient(target.hidden)
-    top = chunked.argmax(th.reshape(b * t, -1), target.weight, vocab_axis=target.vocab_axis,
-                         chunk=cfg.chunk, invariant=target.invariant)
-    w_draft = jnp.take(target.weight, ids, axis=target.vocab_axis)  # the target head on Vd
-    w_draft = w_draft.T if target.vocab_axis == 0 else w_draft  # [H, Vd]
-    terms: dict[Any, Any] = {"argmax": top.reshape(b, t)}
-    for s, h in enumerate(hidden):
+    w_draft = jnp.take(target.weight, head.draft_to_target(), axis=target.vocab_axis)
+    w_draft = w_draft.T if target.vocab_axis == 0 else w_draft  # [H, Vd] the target head on Vd
+
+    def term(s):
         tgt = jnp.roll(th, -(1 + s), axis=1).reshape(b * t, -1)
         ce, agree = chunked.soft_cross_entropy(
-            tgt, w_draft, module.norm(h).reshape(b * t, -1), module.lm_head[...], chunk=cfg.chunk)
-        terms[s] = (ce.reshape(b, t), agree.reshape(b, t))
-    return terms
+            tgt, w_draft, module.norm(hidden[s]).reshape(b * t, -1), module.lm_head[...],
+            chunk=cfg.chunk)
+        return ce.reshape(b, t), agree.reshape(b, t)
+    return term
 
 
-def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, target_logits, loss_mask, cfg):
-    """One optax update of the head's params; returns (head, opt_state, metrics)."""
+def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, target, loss_mask, cfg):
+    """One optax update of the head's params; returns (head, opt_state, metrics). With
+    cfg.micro_batch, the gradient accumulates over micro-batches of that many rows."""
+    b = tokens.shape[0]
+    micro = cfg.micro_batch if 0 < cfg.micro_batch < b else 0
+    if micro and b % micro:
+        raise ValueError(f"DraftLossConfig.micro_batch={micro} does not divide the {b} rows; "
+                         f"valid: 0 or a divisor of {b}")
+    if not micro:
+        def loss_fn(params):
+            return draft_loss(head, params, embed_fn, features, tokens, target, loss_mask, cfg)
 
-    def loss_fn(params):
-        return draft_loss(head, params, embed_fn, features, tokens, target_logits, loss_mask, cfg)
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
+    else:
+        is_head = isinstance(target, TargetHead)
+        rows = chunked.split_rows((features, tokens, target.hidden if is_head else target,
+                                   loss_mask), micro)
 
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
+        def part(x):  # a micro-batch's target
+            return dataclasses.replace(target, hidden=x) if is_head else x
+
+        def counted(xs):  # [steps] positions that count in a micro-batch
+            ok = _target_argmax_ok(head, part(xs[2]), cfg)
+            return jnp.stack([jnp.sum(_counts(xs[3], ok, s)) for s in range(cfg.steps)])
+
+        denominators = jnp.maximum(jnp.sum(jax.lax.map(counted, rows), axis=0), 1)
+
+        def accumulate(total, xs):
+            f, tok, tgt, mask = xs
+
+            def loss_fn(params):
+                return draft_loss(head, params, embed_fn, f, tok, part(tgt), mask, cfg,
+                                  denominators=denominators)
+
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
+            return jax.tree.map(lambda a, g: a + g.astype(a.dtype), total, grads), metrics
+
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
+                             head.params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, rows)
+        grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, head.params)
+        metrics = {k: v.sum() for k, v in metrics.items()}  # parts of the batch's values
     updates, opt_state = optimizer.update(grads, opt_state, head.params)
     params = optax.apply_updates(head.params, updates)
     metrics["draft_grad_norm"] = optax.tree.norm(grads)
     return dataclasses.replace(head, params=params), opt_state, metrics
-

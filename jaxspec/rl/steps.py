@@ -12,6 +12,7 @@ import optax
 
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models import Policy
+from jaxspec.rl import chunked
 from jaxspec.rl.chunked import lm_head, token_logprobs
 from jaxspec.rl.draft import TargetHead, draft_train_step
 from jaxspec.rl.grpo import grpo_loss
@@ -56,20 +57,6 @@ def _token_logprobs(policy: Policy, hidden, tokens, sampling, filtered: bool, ch
     return token_logprobs(hidden, weight, jnp.roll(tokens, -1, axis=1), sampling,
                           vocab_axis=axis, filtered=filtered, chunk=chunk,
                           invariant=policy.config.batch_invariant)
-
-
-def _split_rows(tree, micro: int):
-    """Every leaf's leading axis B -> [B // micro, micro]; micro-batch j takes rows j, j + n,
-    j + 2n, ... (n = B // micro), so a batch sharded in contiguous rows stays evenly sharded
-    inside each micro-batch."""
-    def split(x):
-        return x.reshape((micro, x.shape[0] // micro) + x.shape[1:]).swapaxes(0, 1)
-    return jax.tree.map(split, tree)
-
-
-def _join_rows(tree):
-    """Inverse of _split_rows."""
-    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape((-1,) + x.shape[2:]), tree)
 
 
 def _micro(rows: int, micro_batch: int) -> int:
@@ -138,7 +125,7 @@ def score_rollouts(
 
     micro = _micro(seq.shape[0], micro_batch)
     if micro:
-        out = _join_rows(jax.lax.map(forward, _split_rows((seq, positions, mask), micro)))
+        out = chunked.join_rows(jax.lax.map(forward, chunked.split_rows((seq, positions, mask), micro)))
     else:
         out = forward((seq, positions, mask))
     return {"tokens": seq, "positions": positions, "mask": mask, "response": response,
@@ -197,7 +184,7 @@ def policy_update(
             return total, metrics
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), params)
-        total, metrics = jax.lax.scan(accumulate, zeros, _split_rows(mb, micro))
+        total, metrics = jax.lax.scan(accumulate, zeros, chunked.split_rows(mb, micro))
         grads = jax.tree.map(lambda g, x: g.astype(x.dtype), total, params)
         return grads, _combine_micro(metrics)
 

@@ -14,11 +14,12 @@ from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.transformer import random_policy
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.rl import chunked
-from jaxspec.rl.draft import DraftLossConfig, TargetHead, draft_loss
+from jaxspec.rl.draft import DraftLossConfig, TargetHead, draft_loss, draft_train_step
 from jaxspec.rl.grpo import GRPOConfig, k3_kl
 from jaxspec.rl.steps import POLICY_INPUTS, policy_update, score_rollouts
 
 H, V = 16, 40
+_SGD = optax.sgd(1.0)  # params move by the gradient itself: a gradient difference shows as is
 
 
 def _np_reference(h, w, targets, temperature, top_k=0, top_p=1.0):
@@ -173,15 +174,36 @@ def test_chunked_draft_loss_matches_the_unchunked_loss_and_gradients(tied, chunk
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6)
 
 
+def test_micro_batched_draft_update_equals_one_batch():
+    """draft_train_step over micro-batches of 2 rows (gradient accumulated, per-step counts of
+    the whole batch) equals one batch: metrics and the SGD-updated head."""
+    policy = random_policy(ModelConfig.tiny(vocab_size=V * 3, tie_embeddings=False), seed=2)
+    head = Eagle3Head.init_for(policy, 50, jax.random.key(4)).with_vocab(np.arange(50) * 2 + 1)
+    b, t = 4, 8
+    tokens = jax.random.randint(jax.random.key(7), (b, t), 0, V * 3)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    hidden, captured, _ = policy.forward(tokens, positions, capture=head.capture_layers, head=False)
+    feats = jnp.concatenate([captured[i] for i in head.capture_layers], axis=-1)
+    mask = jnp.arange(t)[None, :] >= jnp.array([[2], [1], [5], [3]])
+    target = TargetHead(hidden, *chunked.lm_head(policy))
+    out = {}
+    for micro in (0, 2):
+        cfg = DraftLossConfig(steps=2, decay=0.8, chunk=16, micro_batch=micro)
+        out[micro] = jax.jit(lambda h: draft_train_step(h, _SGD.init(h.params), _SGD, policy.embed, feats,
+                                                        tokens, target, mask, cfg))(head)
+    assert float(out[0][2]["draft_loss_0"]) > 0
+    for k, v in out[0][2].items():
+        np.testing.assert_allclose(out[2][2][k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, e in zip(jax.tree.leaves(out[2][0].params), jax.tree.leaves(out[0][0].params)):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+
+
 def _batch(policy, b=4, p=3, n=6, seed=0):
     rng = np.random.default_rng(seed)
     v = policy.config.vocab_size
     return (jnp.asarray(rng.integers(1, v, (b, p)), jnp.int32), jnp.array([3, 2, 3, 1][:b], jnp.int32),
             jnp.asarray(rng.integers(1, v, (b, n)), jnp.int32), jnp.array([6, 4, 1, 5][:b], jnp.int32),
             jnp.asarray(rng.normal(-2, 0.5, (b, n)), jnp.float32))
-
-
-_SGD = optax.sgd(1.0)
 
 
 def test_micro_batched_scoring_and_update_equal_one_forward(policy):
