@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.sampling import SamplingConfig, process_logits
 from jaxspec.kernels.invariant import invariant_dot
 
-__all__ = ["argmax", "dense_logprobs", "join_rows", "lm_head", "soft_cross_entropy", "split_rows",
+__all__ = ["accumulate_gradients", "argmax", "dense_logprobs", "join_rows", "lm_head", "soft_cross_entropy", "split_rows",
            "token_logprobs"]
 
 
@@ -157,7 +157,8 @@ def token_logprobs(
     that fits in one chunk, computes the logits whole. `invariant`: the batch-invariant
     matmul of the policy's batch_invariant mode."""
     if vocab_axis not in (0, 1):
-        raise ValueError(f"token_logprobs: vocab_axis={vocab_axis!r}; valid: 0 ([V, H]) or 1 ([H, V])")
+        raise ValueError(f"token_logprobs: vocab_axis={vocab_axis!r}; valid: 0 ([V, H]) or 1 "
+                         f"([H, V])")
     if not isinstance(chunk, int) or chunk < 0:
         raise ValueError(f"token_logprobs: chunk={chunk!r}; valid: an int >= 0 (0: unchunked)")
     vocab = weight.shape[vocab_axis]
@@ -189,7 +190,8 @@ def argmax(
     weight = jax.lax.stop_gradient(weight)
     vocab = weight.shape[vocab_axis]
     if chunk == 0 or chunk >= vocab:
-        return jnp.argmax(_project(hidden, weight, vocab_axis, invariant), axis=-1).astype(jnp.int32)
+        logits = _project(hidden, weight, vocab_axis, invariant)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     chunks = _weight_chunks(weight, vocab_axis, chunk)
     starts = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
 
@@ -270,3 +272,17 @@ def split_rows(tree, micro: int):
 def join_rows(tree):
     """Inverse of split_rows."""
     return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape((-1,) + x.shape[2:]), tree)
+
+
+def accumulate_gradients(grad_fn, params, parts):
+    """The sum over micro-batches of grad_fn(part) -> (grads, metrics), a scan over the
+    leading axis of `parts` accumulating in float32; returns (grads in the params' dtypes,
+    metrics stacked [n])."""
+    def body(total, part):
+        grads, metrics = grad_fn(part)
+        return jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads), metrics
+
+    zeros = jax.tree.map(
+        lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), params)
+    total, metrics = jax.lax.scan(body, zeros, parts)
+    return jax.tree.map(lambda g, x: g.astype(x.dtype), total, params), metrics

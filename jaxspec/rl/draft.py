@@ -182,7 +182,8 @@ def _chunked_ce_terms(head, params, embed_fn, features, tokens, valid, target: T
     return term
 
 
-def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, target, loss_mask, cfg):
+def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, target, loss_mask,
+                     cfg):
     """One optax update of the head's params; returns (head, opt_state, metrics). With
     cfg.micro_batch, the gradient accumulates over micro-batches of that many rows."""
     b = tokens.shape[0]
@@ -209,7 +210,7 @@ def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, tar
 
         denominators = jnp.maximum(jnp.sum(jax.lax.map(counted, rows), axis=0), 1)
 
-        def accumulate(total, xs):
+        def part_grad(xs):
             f, tok, tgt, mask = xs
 
             def loss_fn(params):
@@ -217,12 +218,9 @@ def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, tar
                                   denominators=denominators)
 
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
-            return jax.tree.map(lambda a, g: a + g.astype(a.dtype), total, grads), metrics
+            return grads, metrics
 
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)),
-                             head.params)
-        grads, metrics = jax.lax.scan(accumulate, zeros, rows)
-        grads = jax.tree.map(lambda g, x: g.astype(x.dtype), grads, head.params)
+        grads, metrics = chunked.accumulate_gradients(part_grad, head.params, rows)
         metrics = {k: v.sum() for k, v in metrics.items()}  # parts of the batch's values
     updates, opt_state = optimizer.update(grads, opt_state, head.params)
     params = optax.apply_updates(head.params, updates)

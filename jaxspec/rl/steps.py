@@ -125,7 +125,8 @@ def score_rollouts(
 
     micro = _micro(seq.shape[0], micro_batch)
     if micro:
-        out = chunked.join_rows(jax.lax.map(forward, chunked.split_rows((seq, positions, mask), micro)))
+        parts = chunked.split_rows((seq, positions, mask), micro)
+        out = chunked.join_rows(jax.lax.map(forward, parts))
     else:
         out = forward((seq, positions, mask))
     return {"tokens": seq, "positions": positions, "mask": mask, "response": response,
@@ -178,14 +179,13 @@ def policy_update(
         else:
             denominator = jnp.sum(jnp.any(mb["mask"], axis=1))
 
-        def accumulate(total, part):
-            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, part, denominator)
-            total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
-            return total, metrics
+        def part_grad(part):
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, part, denominator)
+            return grads, metrics
 
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), params)
-        total, metrics = jax.lax.scan(accumulate, zeros, chunked.split_rows(mb, micro))
-        grads = jax.tree.map(lambda g, x: g.astype(x.dtype), total, params)
+        grads, metrics = chunked.accumulate_gradients(part_grad, params,
+                                                      chunked.split_rows(mb, micro))
         return grads, _combine_micro(metrics)
 
     def body(carry, mb):

@@ -34,7 +34,8 @@ def _np_reference(h, w, targets, temperature, top_k=0, top_p=1.0):
     if top_p < 1.0:
         kept &= (np.where(above, q[..., None, :], 0.0).sum(-1) < top_p)
     logp = np.where(kept, z, -np.inf)
-    logp = logp - np.log(np.exp(logp - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+    top = z.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp - top).sum(-1, keepdims=True)) - top
     p = np.exp(logp)
     lp = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     entropy = -np.where(p > 0, p * np.where(kept, logp, 0.0), 0.0).sum(-1)
@@ -189,8 +190,8 @@ def test_micro_batched_draft_update_equals_one_batch():
     out = {}
     for micro in (0, 2):
         cfg = DraftLossConfig(steps=2, decay=0.8, chunk=16, micro_batch=micro)
-        out[micro] = jax.jit(lambda h: draft_train_step(h, _SGD.init(h.params), _SGD, policy.embed, feats,
-                                                        tokens, target, mask, cfg))(head)
+        out[micro] = jax.jit(lambda h: draft_train_step(
+            h, _SGD.init(h.params), _SGD, policy.embed, feats, tokens, target, mask, cfg))(head)
     assert float(out[0][2]["draft_loss_0"]) > 0
     for k, v in out[0][2].items():
         np.testing.assert_allclose(out[2][2][k], v, rtol=1e-5, atol=1e-6, err_msg=k)
