@@ -23,14 +23,41 @@ from flax import nnx
 from jaxspec.rl import chunked
 
 
-def _ttt_attention(q, k0, v0, diag_k, diag_v, valid):
-    """q [B,T,Hq,D]; k0/v0 [B,T,Hkv,D] step-0 keys; diag_* lists of [B,T,Hkv,D]; valid [B,T]."""
-    b, t, hq, d = q.shape
+# Query rows per block of the TTT attention: its [B, heads, rows, T] scores are what a block
+# holds (at T = 5120 the whole [B, heads, T, T] is 3.4 GB per row in float32).
+_QUERY_BLOCK = 512
+
+
+def _ttt_attention(q, k0, v0, diag_k, diag_v, valid, block: int = _QUERY_BLOCK):
+    """q [B,T,Hq,D]; k0/v0 [B,T,Hkv,D] step-0 keys; diag_* lists of [B,T,Hkv,D]; valid [B,T].
+
+    Computed in blocks of `block` query rows (each row sees all its keys, so the result does
+    not depend on the block), each rematerialised in the backward, when they divide T."""
+    t = q.shape[1]
+    if t <= block or t % block:
+        return _ttt_attention_rows(q, k0, v0, diag_k, diag_v, valid, 0)
+
+    @jax.checkpoint
+    def rows(start):
+        def sl(x):
+            return jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)
+        return _ttt_attention_rows(sl(q), k0, v0, [sl(k) for k in diag_k],
+                                   [sl(v) for v in diag_v], valid, start)
+
+    out = jax.lax.map(rows, jnp.arange(0, t, block, dtype=jnp.int32))  # [n, B, block, Hq, D]
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+
+
+def _ttt_attention_rows(q, k0, v0, diag_k, diag_v, valid, start):
+    """The TTT attention of query rows start .. start + R: q and diag_* [B,R,...], k0/v0 and
+    valid over all T positions."""
+    b, r, hq, d = q.shape
+    t = k0.shape[1]
     hkv = k0.shape[2]
     g = hq // hkv
-    qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d) * d**-0.5
-    s0 = jnp.einsum("btkgd,bskd->bkgts", qf, k0.astype(jnp.float32))  # [B,hkv,g,T,T]
-    causal = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+    qf = q.astype(jnp.float32).reshape(b, r, hkv, g, d) * d**-0.5
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qf, k0.astype(jnp.float32))  # [B,hkv,g,R,T]
+    causal = (jnp.arange(t)[None, :] <= start + jnp.arange(r)[:, None])[None] & valid[:, None, :]
     s0 = jnp.where(causal[:, None, None], s0, -jnp.inf)
     sd = [jnp.einsum("btkgd,btkd->bkgt", qf, kj.astype(jnp.float32))[..., None] for kj in diag_k]
     scores = jnp.concatenate([s0] + sd, axis=-1)
@@ -38,8 +65,9 @@ def _ttt_attention(q, k0, v0, diag_k, diag_v, valid):
     w = jnp.where(jnp.isnan(w), 0.0, w)
     out = jnp.einsum("bkgts,bskd->btkgd", w[..., :t], v0.astype(jnp.float32))
     for j, vj in enumerate(diag_v):
-        out = out + w[..., t + j].transpose(0, 3, 1, 2)[..., None] * vj.astype(jnp.float32)[:, :, :, None, :]
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+        wj = w[..., t + j].transpose(0, 3, 1, 2)[..., None]
+        out = out + wj * vj.astype(jnp.float32)[:, :, :, None, :]
+    return out.reshape(b, r, hq, d).astype(q.dtype)
 
 
 def ttt_logits(head, params, embed_fn, features, tokens, valid, steps: int):
@@ -75,9 +103,7 @@ def ttt_hidden(head, params, embed_fn, features, tokens, valid, steps: int):
         else:
             diag_k.append(k)
             diag_v.append(v)
-        # rematerialised in the backward: the [B, heads, T, T] scores of every step would
-        # otherwise stay alive until the backward reaches it
-        attn = jax.checkpoint(_ttt_attention)(q, k0, v0, diag_k, diag_v, valid)
+        attn = _ttt_attention(q, k0, v0, diag_k, diag_v, valid)
         hidden = module.finish(hidden, attn)
         out.append(hidden)
     return out

@@ -262,3 +262,22 @@ def test_chunked_scoring_compiles_to_far_less_memory_than_its_logits():
         temp[chunk] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[0] > logits_bytes, temp
     assert temp[512] < logits_bytes / 8 and temp[512] < temp[0] / 15, temp
+
+
+def test_ttt_attention_in_query_blocks_equals_the_whole():
+    """The draft's TTT attention in blocks of 4 query rows (T = 12) equals it computed whole,
+    values and gradients."""
+    from jaxspec.rl.draft import _ttt_attention
+
+    keys = jax.random.split(jax.random.key(9), 7)
+    b, t, hkv, g, d = 2, 12, 2, 2, 8
+    q = jax.random.normal(keys[0], (b, t, hkv * g, d))
+    k0, v0, k1, v1, k2, v2 = (jax.random.normal(k, (b, t, hkv, d)) for k in keys[1:])
+    valid = jnp.arange(t)[None, :] < jnp.array([[12], [9]])
+
+    def f(q, block):
+        return _ttt_attention(q, k0, v0, [k1, k2], [v1, v2], valid, block=block)
+
+    np.testing.assert_allclose(f(q, 4), f(q, 64), rtol=1e-6, atol=1e-6)
+    grad = jax.grad(lambda q, block: jnp.sum(jnp.sin(f(q, block))), argnums=0)
+    np.testing.assert_allclose(grad(q, 4), grad(q, 64), rtol=1e-5, atol=1e-6)
