@@ -35,7 +35,7 @@ import os
 import re
 import types
 import typing
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
@@ -526,6 +526,9 @@ class RolloutSpec(_Section):
     max_new_tokens: int = _field(8, **_ge(1))
     max_prompt_len: int = _field(16, **_ge(1))  # prompt tokens (BOS included); longer: an error
     method: str = "replay"  # verification rule: jaxspec.decoding.verify.METHODS
+    # A completion that hit max_new_tokens without an EOS is unfinished: 'zero' gives it
+    # reward 0 (NeMo RL's default), 'score' grades its text like a finished one.
+    truncated_reward: Literal["zero", "score"] = "zero"
 
     def _validate(self):
         methods = importlib.import_module("jaxspec.decoding.verify").METHODS
@@ -567,6 +570,10 @@ class TaskSpec(_Section):
     name: str = "arithmetic"
     params: dict[str, Any] = _field(factory=dict)  # {}: the task's own defaults
     path: Optional[str] = None  # the JSONL file for name 'jsonl'
+    # Prompts through the HF tokenizer's chat template (one user turn + the assistant
+    # header): 'auto' when the tokenizer has one, true requires one, false sends raw text.
+    # Built-in tasks use their own character tokenizer, which has none.
+    chat_template: Union[bool, Literal["auto"]] = "auto"
 
     def _validate(self):
         from jaxspec.rl import tasks
@@ -599,6 +606,10 @@ class TaskSpec(_Section):
         if self.name != "jsonl" and self.path is not None:
             raise ConfigError("path", self.path, f"task '{self.name}' reads no file",
                               "null (path is for task 'jsonl')")
+        if self.name != "jsonl" and self.chat_template is True:
+            raise ConfigError("chat_template", True, f"task '{self.name}' uses its own "
+                              "character tokenizer, which has no chat template",
+                              "'auto' or false (templates are for task 'jsonl' with an HF model)")
 
 
 @dataclasses.dataclass(frozen=True)

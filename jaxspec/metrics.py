@@ -19,8 +19,10 @@ import jax
 import numpy as np
 
 __all__ = [
+    "Console",
     "MetricsWriter",
     "StageTimer",
+    "fit_lines",
     "format_step_line",
     "read_metrics",
     "run_summary",
@@ -184,26 +186,119 @@ class MetricsWriter:
 
 
 _STAGE_ABBREV = {"generation": "gen", "training": "train", "logprob": "logp"}
+WIDTH = 120  # console lines fit this many columns
 
 
-def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | None = None) -> str:
-    """One line for the progress log, e.g.
-    'step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | train 0.41s 25%'."""
+def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | None = None,
+                     width: int = WIDTH) -> str:
+    """One line for the progress log, at most `width` columns, e.g.
+    'step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | train 0.41s 25%'.
+    The stages taking most of the step are shown (in pipeline order); the time of those
+    that do not fit is summed as 'rest' (metrics.jsonl has them all)."""
     m = scalar_metrics(metrics)
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     if m.get("reward") is not None:
         parts.append(f"reward {m['reward']:.3f}")
     if m.get("acceptance_length") is not None:
         parts.append(f"acc_len {m['acceptance_length']:.2f}")
-    stages = [k[len("time/"):] for k in m if k.startswith("time/") and k != "time/step"]
     if m.get("time/step") is not None:
         parts.append(f"step {m['time/step']:.2f}s")
-    for name in stages:
-        text = f"{_STAGE_ABBREV.get(name, name)} {m[f'time/{name}']:.2f}s"
-        if m.get(f"share/{name}") is not None:
-            text += f" {100 * m[f'share/{name}']:.0f}%"
-        parts.append(text)
-    return " | ".join(parts)
+    stages = [k[len("time/"):] for k in m
+              if k.startswith("time/") and k != "time/step" and m[k] is not None]
+
+    def text(names, label=None):
+        seconds = sum(m[f"time/{n}"] for n in names)
+        shares = [m.get(f"share/{n}") for n in names]
+        out = f"{label or _STAGE_ABBREV.get(names[0], names[0])} {seconds:.2f}s"
+        return out + (f" {100 * sum(shares):.0f}%" if None not in shares else "")
+
+    shown = []
+    for name in sorted(stages, key=lambda n: -m[f"time/{n}"]):
+        trial = [n for n in stages if n in shown or n == name]
+        rest = [n for n in stages if n not in trial]
+        line = " | ".join(parts + [text([n]) for n in trial] + ([text(rest, "rest")] if rest else []))
+        if len(line) > width:
+            break
+        shown.append(name)
+    rest = [n for n in stages if n not in shown]
+    line = " | ".join(parts + [text([n]) for n in stages if n in shown]
+                      + ([text(rest, "rest")] if rest else []))
+    return line if len(line) <= width else line[:width]
+
+
+def fit_lines(text: str, width: int = WIDTH) -> list[str]:
+    """`text` as lines of at most `width` columns, broken between its ' | ' parts (then
+    between words); continuation lines are indented by two spaces."""
+    lines: list[str] = []
+    for raw in text.splitlines() or [""]:
+        current = ""
+        for part in raw.split(" | "):
+            joined = f"{current} | {part}" if current else part
+            if len(joined) <= width or not current:
+                current = joined
+            else:
+                lines.append(current)
+                current = "  " + part
+            while len(current) > width:  # one part wider than a line: break between words
+                cut = current.rfind(" ", 3, width + 1)
+                cut = cut if cut > 2 else width
+                lines.append(current[:cut])
+                current = "  " + current[cut:].lstrip()
+        lines.append(current)
+    return lines
+
+
+class Console:
+    """A run's progress for people: a tqdm bar (on stderr) only when stderr is a terminal,
+    plain lines on stdout otherwise (a log file or a pipe gets no '\\r' frames); every line
+    at most `width` columns. `line` may be used before `start` (warm-up messages)."""
+
+    def __init__(self, *, bar: bool | None = None, width: int = WIDTH, stream=None):
+        import sys
+
+        self.out = stream if stream is not None else sys.stdout
+        self._err = sys.stderr
+        self.width = width
+        self.use_bar = self._err.isatty() if bar is None else bar
+        self._bar = None
+
+    def line(self, text: str) -> None:
+        for line in fit_lines(text, self.width):
+            if self._bar is not None:
+                self._bar.write(line, file=self.out)
+            else:
+                print(line, file=self.out, flush=True)
+
+    def start(self, total: int, initial: int = 0) -> None:
+        """The bar (on a terminal) from `initial` of `total` steps."""
+        if self.use_bar:
+            import shutil
+
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", file=self._err,
+                             ncols=min(shutil.get_terminal_size().columns, self.width))
+
+    def step(self, step: int, row: dict, *, total: int, show: bool) -> None:
+        """After a step: its line (when `show`) and the bar's advance."""
+        if show:
+            self.line(format_step_line(step, row, total_steps=total, width=self.width))
+        if self._bar is not None:
+            acc = row.get("acceptance_length")
+            self._bar.set_postfix(reward=f"{row['reward']:.3f}",
+                                  acc_len=f"{acc if acc is not None else float('nan'):.2f}")
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 # ----------------------------------------------------------------------------- run summaries

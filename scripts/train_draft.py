@@ -2,7 +2,8 @@
 """Offline (in-domain) EAGLE-3 training on the policy's own rollouts, then export.
 
     python scripts/train_draft.py configs/tiny.yaml run.dir=runs/draft warmup.draft_steps=300
-    python scripts/train_draft.py configs/qwen3_8b_eagle3.yaml run.dir=runs/draft
+    python scripts/train_draft.py configs/qwen3_8b_eagle3.yaml run.dir=runs/draft \
+        model.hf_path=/data/Qwen3-8B task.path=/data/math_train.jsonl
 
 The policy is the config's (`model.hf_path`, or the tiny model after its supervised
 warm-up). It generates `warmup.draft_rollouts` rollouts on task prompts that the RL run
@@ -10,7 +11,8 @@ never uses, the draft vocabulary is chosen from their token counts, and the head
 `warmup.draft_steps` steps with the training-time-test loss — the same update the RL step
 runs online, with the draft's own optimizer (`draft_optim`). Writes <run.dir>/policy (HF)
 and <run.dir>/eagle3 (vLLM/SGLang layout); point `draft.hf_path` of a GRPO run at the
-latter, or benchmark both with scripts/bench_rollout.py. Builds no GRPO trainer: the run
+latter, or benchmark both with scripts/bench_rollout.py. The config's own `draft.hf_path` is
+ignored (set to null): a GRPO config's pointer to a trained head, or its placeholder. Builds no GRPO trainer: the run
 plan, the device cluster, the (warmed-up) policy and the draft learner only.
 """
 
@@ -49,11 +51,17 @@ def main(argv=None) -> int:
     from jaxspec.rl.plan import prepare_run
 
     try:
-        cfg = load_config(args.config, list(args.overrides))
-        if cfg.draft.kind != "eagle3" or cfg.draft.hf_path is not None:
+        # A new head: the config's draft.hf_path (a run config's pointer to a trained
+        # head, or its placeholder) is ignored unless given on the command line.
+        given = any(o.split("=", 1)[0].strip() == "draft.hf_path" for o in args.overrides)
+        cfg = load_config(args.config, ["draft.hf_path=null", *args.overrides])
+        if cfg.draft.kind != "eagle3":
             raise ConfigError("draft.kind", cfg.draft.kind,
-                              "train_draft.py trains a new EAGLE-3 head (draft.kind=eagle3, draft.hf_path=null)",
-                              "eagle3")
+                              "train_draft.py trains a new EAGLE-3 head", "eagle3")
+        if given and cfg.draft.hf_path is not None:
+            raise ConfigError("draft.hf_path", cfg.draft.hf_path,
+                              "train_draft.py trains a new EAGLE-3 head and writes it to "
+                              "<run.dir>/eagle3", "null (or leave it out)")
         plan = prepare_run(cfg)  # every input check, before anything compiles
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

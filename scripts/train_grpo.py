@@ -3,7 +3,7 @@
 
     python scripts/train_grpo.py configs/tiny.yaml                    # the embedded default, CPU
     python scripts/train_grpo.py configs/tiny.yaml run.dir=runs/k4 draft.k=4
-    python scripts/train_grpo.py configs/tiny.yaml run.dir=runs/k4 --resume
+    python scripts/train_grpo.py runs/k4/config.yaml --resume           # continue that run
 
 Overrides are `dotted.key=value` (YAML values). Writes into run.dir: config.yaml (the
 resolved config), metrics.jsonl (one line per step), tb/ (TensorBoard, when tensorboardX is
@@ -40,25 +40,25 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
-    from tqdm import tqdm
-
     from jaxspec.config import ConfigError, load_config
-    from jaxspec.metrics import format_step_line, read_metrics, run_summary
+    from jaxspec.metrics import Console, read_metrics, run_summary
     from jaxspec.rl import faults
     from jaxspec.rl.trainer import GRPOTrainer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
+    console = Console()  # a bar only on a terminal; plain lines <= 120 columns elsewhere
     # SIGTERM / SIGINT from here on: checkpoint the last completed step, exit 75
-    with faults.StopSignals(log=tqdm.write) as stop:
+    with faults.StopSignals(log=console.line) as stop:
         try:
             cfg = load_config(args.config, overrides)
-            trainer = GRPOTrainer(cfg, log=tqdm.write)
+            trainer = GRPOTrainer(cfg, log=console.line)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         try:
-            _train(cfg, trainer, stop, args.config, start, tqdm, format_step_line)
+            with console:
+                _train(cfg, trainer, stop, args.config, start, console)
         except faults.Preempted as e:
             print(f"{e}", file=sys.stderr, flush=True)
             return faults.EXIT_PREEMPTED
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return faults.EXIT_SAVE_FAILED
     summary = run_summary(read_metrics(cfg.run.dir))
-    tqdm.write(
+    console.line(
         f"done in {time.perf_counter() - start:.1f}s | reward first fifth "
         f"{summary['reward_first_fifth']:.3f} -> last fifth {summary['reward_last_fifth']:.3f} "
         f"(step-to-step noise {summary['reward_noise']:.3f}) | acceptance length "
@@ -81,22 +81,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def _train(cfg, trainer, stop, config_path, start, tqdm, format_step_line) -> None:
-    """The training loop with its progress bar and one line per step."""
+def _train(cfg, trainer, stop, config_path, start, console) -> None:
+    """The training loop with its progress bar (on a terminal) and one line per step."""
     total = cfg.run.steps
-    tqdm.write(f"GRPO: {config_path} -> {cfg.run.dir} | draft {cfg.draft.kind} k={cfg.draft.k} | "
-               f"{cfg.rollout.prompts_per_step}x{cfg.rollout.group_size} rollouts/step | "
-               f"{total} steps (ready after {time.perf_counter() - start:.1f}s)")
-    with tqdm(total=total, initial=trainer.completed, unit="step", dynamic_ncols=True,
-              file=sys.stderr) as bar:
-        def on_step(step, row):
-            if step % cfg.run.log_every == 0 or step == total:
-                tqdm.write(format_step_line(step, row, total_steps=total))
-            bar.set_postfix(reward=f"{row['reward']:.3f}",
-                            acc_len=f"{row['acceptance_length'] or float('nan'):.2f}")
-            bar.update(1)
+    console.line(f"GRPO: {config_path} -> {cfg.run.dir} | draft {cfg.draft.kind} k={cfg.draft.k}"
+                 f" | {cfg.rollout.prompts_per_step}x{cfg.rollout.group_size} rollouts/step | "
+                 f"{total} steps | ready after {time.perf_counter() - start:.1f}s")
+    console.start(total, initial=trainer.completed)
 
-        trainer.run(on_step=on_step, stop=stop)
+    def on_step(step, row):
+        console.step(step, row, total=total,
+                     show=step % cfg.run.log_every == 0 or step == total)
+
+    trainer.run(on_step=on_step, stop=stop)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ from flax import nnx
 
 from jaxspec.models.cache import KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig, default_eagle3_layers
+from jaxspec.models.hf import HFCheckpointError
 from jaxspec.models.layers import DecoderLayer, RMSNorm, logical_param
+from jaxspec.models.transformer import param_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +206,25 @@ def choose_draft_vocab(token_counts, draft_vocab_size: int) -> np.ndarray:  # [V
 # --------------------------------------------------------------------------- checkpoints
 #
 # The layout vLLM and SGLang read: llama-style config.json with `draft_vocab_size` and one
-# hidden layer; torch Linear weights are [out, in]. The aux layer ids in config.json count
-# HF hidden_states (the input of layer i+1 = output of layer i), ours count layer outputs.
+# hidden layer; torch Linear weights are [out, in].
+#
+# Which target layers a head fuses, in each server's convention (read from their code):
+# - ours (`Eagle3Config.capture_layers`): 0-based indices of layer *outputs*, before the final
+#   norm; output of layer i = HF `hidden_states[i + 1]` = the input of layer i + 1.
+# - vLLM (`eagle3_utils.get_eagle3_aux_layers_from_config`): the draft config's top-level
+#   `eagle_aux_hidden_state_layer_ids`; the target model appends `hidden_states + residual`
+#   *before* running layer idx, so an id is an *input* index (HF `hidden_states[id]`): ours + 1.
+#   It does not read `eagle_config`; without the field it falls back to the model's default
+#   (2, L//2, L-3) inputs = outputs (1, L//2-1, L-4).
+# - SGLang (eagle worker -> `set_eagle3_layers_to_capture(ids)`): reads
+#   `eagle_config.eagle_aux_hidden_state_layer_ids` (newer versions also the top-level field
+#   when there is no eagle_config) and captures before layer `id + 1`: an id is a layer
+#   *output*, our convention. Without ids it captures before (2, L//2, L-3).
+# - SpecForge (`get_default_eagle3_aux_layer_ids`): trains on layer outputs
+#   (1, L//2-1, L-4) and writes no ids, so its heads rely on the servers' defaults; when it
+#   writes `eagle_config` ids they are layer outputs (SGLang's convention).
+# So `save_eagle3` writes both fields (top-level = ours + 1, eagle_config = ours) and
+# `load_eagle3` reads either, or the default of the target's depth when neither is there.
 
 _ARCH = "LlamaForCausalLMEagle3"
 
@@ -236,11 +255,11 @@ def _eagle3_table(cfg: Eagle3Config):
 
 
 def save_eagle3(head: Eagle3Head, path) -> None:
-    """Write config.json + model.safetensors in the layout vLLM / SGLang serve."""
+    """Write config.json + model.safetensors in the layout vLLM / SGLang serve, with the
+    captured layers in both servers' fields (see the notes above `save_eagle3`)."""
     from safetensors.numpy import save_file
 
     from jaxspec.models.hf import config_to_hf
-    from jaxspec.models.transformer import param_path
 
     cfg = head.config
     path = pathlib.Path(path).expanduser()
@@ -258,74 +277,136 @@ def save_eagle3(head: Eagle3Head, path) -> None:
         model_type="llama",
         draft_vocab_size=cfg.draft_vocab_size,
         target_hidden_size=cfg.target_hidden_size,
-        eagle_config={
-            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.capture_layers],
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in cfg.capture_layers],  # vLLM: inputs
+        eagle_config={  # SGLang: layer outputs (it adds 1)
+            "eagle_aux_hidden_state_layer_ids": list(cfg.capture_layers),
             "use_aux_hidden_state": True,
         },
     )
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
-def load_eagle3(path, *, dtype: str | None = None, attention_backend: str = "reference") -> Eagle3Head:
-    """Load an EAGLE-3 head saved by `save_eagle3`, vLLM or SGLang tooling (local dir only)."""
-    from safetensors import safe_open
+def capture_layers_from_config(hf: dict, target_num_layers: int | None = None, *,
+                               where: str = "config.json") -> tuple[int, ...]:
+    """The captured layers (ours: layer outputs) a head's config.json names: SGLang's
+    `eagle_config` ids as they are, vLLM's top-level ids minus 1, both (they must agree), or
+    neither: the default of a `target_num_layers`-layer target (what both servers use)."""
+    def ids(value, field):
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in value):
+            raise HFCheckpointError(f"{where} {field} = {value!r}; valid: three layer ids")
+        return tuple(value)
 
-    from jaxspec.models.hf import HFCheckpointError, config_from_hf
-    from jaxspec.models.transformer import param_path
+    eagle_config = hf.get("eagle_config") or {}
+    if not isinstance(eagle_config, dict):
+        raise HFCheckpointError(f"{where} eagle_config = {eagle_config!r}; valid: a mapping")
+    outputs = ids(eagle_config.get("eagle_aux_hidden_state_layer_ids"),
+                  "eagle_config.eagle_aux_hidden_state_layer_ids")
+    inputs = ids(hf.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids")
+    if inputs is not None and outputs is not None and outputs != tuple(i - 1 for i in inputs):
+        raise HFCheckpointError(
+            f"{where} names two different layer sets: eagle_aux_hidden_state_layer_ids "
+            f"{list(inputs)} (vLLM: layer inputs) and eagle_config's {list(outputs)} (SGLang: "
+            f"layer outputs, captured as inputs {[i + 1 for i in outputs]}); valid: top-level "
+            f"= eagle_config's + 1, or only one of them")
+    if outputs is not None:
+        return outputs
+    if inputs is not None:
+        return tuple(i - 1 for i in inputs)
+    if target_num_layers is None:
+        raise HFCheckpointError(
+            f"{where} names no captured layers (a SpecForge head: the servers use their default "
+            f"for the target's depth); pass target_num_layers, or add eagle_config."
+            f"eagle_aux_hidden_state_layer_ids (layer outputs)")
+    return default_eagle3_layers(target_num_layers)
 
-    path = pathlib.Path(path).expanduser()
+
+def _head_config(path: pathlib.Path, dtype, attention_backend, target_num_layers):
+    """(Eagle3Config, {tensor name: file}) of a head directory, every header and shape
+    checked without reading a weight; problems raise HFCheckpointError / FileNotFoundError."""
+    from jaxspec.models.hf import _open, _read_json, config_from_hf
+
     if not path.is_dir():
         raise FileNotFoundError(f"EAGLE-3 head directory {str(path)!r} does not exist (nothing is downloaded)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing: an EAGLE-3 head needs config.json")
-    hf = json.loads(config_file.read_text())
+    hf = _read_json(config_file)
     if "draft_vocab_size" not in hf:
         raise HFCheckpointError(f"{config_file} has no draft_vocab_size: not an EAGLE-3 head config")
     if hf.get("num_hidden_layers", 1) != 1:
         raise HFCheckpointError(f"{config_file}: num_hidden_layers={hf['num_hidden_layers']}; EAGLE-3 heads have 1")
     layer = config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"},
                            dtype=dtype or "float32", attention_backend=attention_backend)
-    ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        raise HFCheckpointError(
-            f"{config_file} has no eagle_config.eagle_aux_hidden_state_layer_ids; pass the "
-            f"target's captured layers by writing them there (HF hidden_states indices)"
+    draft_vocab = hf["draft_vocab_size"] if hf["draft_vocab_size"] is not None else layer.vocab_size
+    try:
+        cfg = Eagle3Config(
+            layer=layer,
+            draft_vocab_size=int(draft_vocab),
+            target_hidden_size=int(hf.get("target_hidden_size") or layer.hidden_size),
+            capture_layers=capture_layers_from_config(hf, target_num_layers, where=str(config_file)),
         )
-    cfg = Eagle3Config(
-        layer=layer,
-        draft_vocab_size=int(hf["draft_vocab_size"]),
-        target_hidden_size=int(hf.get("target_hidden_size") or layer.hidden_size),
-        capture_layers=tuple(int(i) - 1 for i in ids),
-    )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, HFCheckpointError):
+            raise
+        raise HFCheckpointError(f"{config_file} describes an invalid head: {e}") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    tensors = {}
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    where, shapes = {}, {}
     for file in files:
-        with safe_open(str(file), framework="np") as f:
+        with _open(file) as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    tensors.pop("embed_tokens.weight", None)  # some exports carry the target's embedding
-    table = _eagle3_table(cfg)
+                where[name] = file
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    for name in _OPTIONAL:
+        where.pop(name, None), shapes.pop(name, None)
     abstract = jax.eval_shape(lambda: Eagle3Head.init(cfg, jax.random.key(0)))
-    shapes = {param_path(kp): x.shape for kp, x in jax.tree_util.tree_flatten_with_path(abstract.params)[0]}
-    expected = {name for name, *_ in table} | {"d2t", "t2d"}
-    missing = sorted(expected - set(tensors))
-    unexpected = sorted(set(tensors) - expected)
-    wrong = []
-    values = {}
-    for name, p, _, to_ours in table:
-        if name in tensors:
-            value = to_ours(tensors[name])
-            if value.shape != shapes[p]:
-                wrong.append(f"{name}: {tensors[name].shape}")
-            values[p] = value
+    ours = {param_path(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(abstract.params)[0]}
+    expected = {name: jax.eval_shape(to_hf, ours[p]).shape for name, p, to_hf, _ in _eagle3_table(cfg)}
+    expected.update(d2t=(cfg.draft_vocab_size,), t2d=(cfg.vocab_size,))
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    wrong = [f"{n}: checkpoint {shapes[n]}, config {expected[n]}" for n in sorted(expected)
+             if n in shapes and shapes[n] != expected[n]]
     if missing or unexpected or wrong:
         raise HFCheckpointError(
             f"EAGLE-3 head in {path} does not match its config: missing {missing}, "
             f"unexpected {unexpected}, wrong shapes {wrong}"
         )
+    return cfg, where
+
+
+_OPTIONAL = ("embed_tokens.weight",)  # some exports carry the target's embedding
+
+
+def inspect_eagle3(path, *, target_num_layers: int | None = None, dtype: str | None = None,
+                   attention_backend: str = "reference") -> Eagle3Config:
+    """Check a head directory as `load_eagle3` would (config.json, every safetensors header,
+    tensor names and shapes) without reading weights; return its Eagle3Config."""
+    return _head_config(pathlib.Path(path).expanduser(), dtype, attention_backend,
+                        target_num_layers)[0]
+
+
+def load_eagle3(path, *, dtype: str | None = None, attention_backend: str = "reference",
+                target_num_layers: int | None = None) -> Eagle3Head:
+    """Load an EAGLE-3 head saved by `save_eagle3`, vLLM- or SGLang/SpecForge-style tooling
+    (local dir only). The captured layers come from either server's field (see the notes
+    above `save_eagle3`); a head naming none (SpecForge) needs `target_num_layers`."""
+    from jaxspec.models.hf import _open
+
+    path = pathlib.Path(path).expanduser()
+    cfg, where = _head_config(path, dtype, attention_backend, target_num_layers)
+    tensors = {}
+    for file in sorted(set(where.values())):
+        with _open(file) as f:
+            for name in f.keys():
+                if name in where:
+                    tensors[name] = f.get_tensor(name)
+    abstract = jax.eval_shape(lambda: Eagle3Head.init(cfg, jax.random.key(0)))
+    values = {p: to_ours(tensors[name]) for name, p, _, to_ours in _eagle3_table(cfg)}
     np_dtype = jnp.dtype(cfg.layer.param_dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract.params)
     params = jax.tree_util.tree_unflatten(

@@ -481,17 +481,50 @@ def _copy_serving_files(source: pathlib.Path, dest: pathlib.Path) -> SpecialToke
     return special_tokens(source)
 
 
-def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30, source=None) -> None:
+def save_char_tokenizer(path, tokens, *, bos_id: int | None, eos_id: int, pad_id: int | None,
+                        max_length: int | None = None) -> None:
+    """A character-level tokenizer that `AutoTokenizer` loads (tokenizer.json: BPE over
+    single characters, no merges; tokenizer_config.json; special_tokens_map.json).
+    tokens[i] is the text of id i; the bos / eos / pad ids are special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    tokens = list(tokens)
+    special = {i for i in (bos_id, eos_id, pad_id) if i is not None}
+    bad = [t for i, t in enumerate(tokens) if i not in special and len(t) != 1]
+    if bad or len(set(tokens)) != len(tokens):
+        raise ValueError(f"a character tokenizer needs distinct one-character tokens besides "
+                         f"the special ones; got {bad or 'duplicates'}")
+    path = pathlib.Path(os.fspath(path)).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in sorted(special)])
+    tok.decoder = decoders.Fuse()  # characters join without spaces
+    tok.save(str(path / "tokenizer.json"))
+    names = {"bos_token": bos_id, "eos_token": eos_id, "pad_token": pad_id}
+    names = {k: tokens[i] for k, i in names.items() if i is not None}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names,
+              "clean_up_tokenization_spaces": False}
+    if max_length is not None:
+        config["model_max_length"] = max_length
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (path / "special_tokens_map.json").write_text(json.dumps(names, indent=2) + "\n")
+
+
+def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30, source=None,
+            special: SpecialTokens | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past max_shard_bytes)
     that `transformers` loads as Qwen3ForCausalLM / LlamaForCausalLM.
 
     source: the HF directory the policy came from; its tokenizer files and
     generation_config.json are copied and its bos/eos/pad ids written into config.json,
-    so a server (or `AutoTokenizer`) can use the export as it is."""
+    so a server (or `AutoTokenizer`) can use the export as it is. special: the ids to
+    write when there is no source (a built-in tokenizer). Either way a
+    generation_config.json carrying every EOS id is written when none was copied."""
     config = policy.config
     path = pathlib.Path(os.fspath(path)).expanduser()
     path.mkdir(parents=True, exist_ok=True)
-    ids = None
+    ids = special
     if source is not None:
         ids = _copy_serving_files(pathlib.Path(os.fspath(source)).expanduser(), path)
     flat = {
@@ -531,6 +564,11 @@ def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30, source=No
     hf = config_to_hf(config)
     if ids is not None:
         eos = list(ids.eos)
-        hf.update(bos_token_id=ids.bos, eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
-                  pad_token_id=ids.pad)
+        special_ids = dict(bos_token_id=ids.bos, pad_token_id=ids.pad,
+                           eos_token_id=eos[0] if len(eos) == 1 else (eos or None))
+        hf.update(special_ids)
+        generation = path / "generation_config.json"
+        if source is None or not (pathlib.Path(os.fspath(source)) / generation.name).is_file():
+            generation.write_text(json.dumps({k: v for k, v in special_ids.items()
+                                              if v is not None}, indent=2) + "\n")
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

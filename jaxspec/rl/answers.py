@@ -1,16 +1,29 @@
-"""Answer checking for math datasets: \\boxed{...}, the last number, normalised numbers.
+"""Answer checking for math datasets: `check_answer` asks math-verify (HF's checker: it
+extracts the final answer — boxed, "the final answer is", the last expression — and compares
+with sympy: 2\\sqrt 3 == \\sqrt{12}, sets, intervals, percentages), and falls back on the
+small checker below only where math-verify cannot decide (a parse or compare error, a
+timeout, nothing extracted from the gold answer).
 
-Numbers compare exactly as fractions, so 3/4 == 0.75 == \\frac{3}{4} == 0.750, and
-1,234 == 1234. Answers that are not numbers compare as normalised strings.
+The fallback: \\boxed{...}, else the last number; numbers compare exactly as fractions, so
+3/4 == 0.75 == \\frac{3}{4} == 0.750, and 1,234 == 1234; other answers compare as
+normalised strings.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
+import threading
 from fractions import Fraction
 
-__all__ = ["answers_match", "check_answer", "extract_answer", "extract_boxed", "last_number",
-           "parse_number"]
+__all__ = ["answers_match", "check_answer", "check_answer_fallback", "extract_answer",
+           "extract_boxed", "last_number", "math_verify_match", "parse_number"]
+
+# Seconds math-verify may spend parsing one text or comparing one pair (SIGALRM, so only on
+# the main thread; elsewhere it runs without a timer on at most _MAX_CHARS characters).
+MATH_VERIFY_TIMEOUT_S = 2
+_MAX_CHARS = 4000
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
@@ -128,6 +141,46 @@ def answers_match(predicted: str | None, gold: str) -> bool:
     return _normal_text(predicted) == _normal_text(str(gold))
 
 
-def check_answer(completion: str, gold: str) -> bool:
+def check_answer_fallback(completion: str, gold: str) -> bool:
     """Whether a completion's final answer (boxed, else last number) equals `gold`."""
     return answers_match(extract_answer(completion), gold)
+
+
+def _timeout() -> int | None:
+    # math-verify's timer is signal.alarm: it raises off the main thread.
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str, timeout: int | None) -> tuple:
+    from math_verify import parse
+
+    text = gold if "$" in gold or "\\boxed" in gold else f"\\boxed{{{gold}}}"
+    return tuple(parse(text, parsing_timeout=timeout, raise_on_error=True))
+
+
+def math_verify_match(completion: str, gold: str) -> bool | None:
+    """math-verify's verdict on the completion's final answer against `gold`, or None
+    where it cannot give one (an error, a timeout, a gold answer it extracts nothing from)."""
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    timeout = _timeout()
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" off-thread
+    try:
+        target = _parse_gold(str(gold), timeout)
+        if not target:
+            return None
+        found = parse(completion[-_MAX_CHARS:], parsing_timeout=timeout, raise_on_error=True)
+        if not found:
+            return False  # no answer in the completion
+        return bool(verify(list(target), found, timeout_seconds=timeout, raise_on_error=True))
+    except (Exception, TimeoutException):  # noqa: BLE001 (any failure: the fallback decides)
+        return None
+
+
+def check_answer(completion: str, gold: str) -> bool:
+    """Whether a completion's final answer equals `gold`: math-verify's verdict, or the
+    fallback checker's where math-verify gives none."""
+    verdict = math_verify_match(completion, gold)
+    return check_answer_fallback(completion, gold) if verdict is None else verdict

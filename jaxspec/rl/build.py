@@ -76,12 +76,25 @@ def build_draft_model(cfg, plan, cluster, *, resuming: bool,
     return model
 
 
-def export_models(run_dir: str, policy: Policy, head=None) -> None:
+def export_models(run_dir: str, policy: Policy, head=None, *, source: str | None = None,
+                  tokenizer=None) -> None:
     """The policy to <run_dir>/policy (HF safetensors) and an EAGLE-3 head to
-    <run_dir>/eagle3 (the vLLM / SGLang layout)."""
+    <run_dir>/eagle3 (the vLLM / SGLang layout). The policy directory is servable as it is:
+    the tokenizer files, generation_config.json and special ids of `source` (the run's
+    model.hf_path), or of the built-in character `tokenizer` when there is no source."""
     from jaxspec.models import save_hf
     from jaxspec.models.eagle3 import save_eagle3
+    from jaxspec.models.hf import SpecialTokens, save_char_tokenizer
 
-    save_hf(policy, os.path.join(run_dir, "policy"))
+    out = os.path.join(run_dir, "policy")
+    special = None
+    if source is None and tokenizer is not None:
+        names = {tokenizer.pad_id: "<pad>", tokenizer.bos_id: "<s>", tokenizer.eos_id: "</s>"}
+        tokens = [names.get(i) or tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+        save_char_tokenizer(out, tokens, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                            pad_id=tokenizer.pad_id,
+                            max_length=policy.config.max_position_embeddings)
+        special = SpecialTokens(tokenizer.bos_id, (tokenizer.eos_id,), tokenizer.pad_id)
+    save_hf(policy, out, source=source, special=special)
     if head is not None:
         save_eagle3(head, os.path.join(run_dir, "eagle3"))

@@ -4,6 +4,7 @@ async mode, the same devices otherwise), placement on them, and the weight sync 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -14,25 +15,42 @@ from jaxspec import parallel
 from jaxspec.decoding.engine import generate
 from jaxspec.rl.steps import score_rollouts
 
-__all__ = ["Cluster"]
+__all__ = ["Cluster", "mesh_sizes"]
 
 _SCORED_INPUTS = ("prompts", "prompt_lengths", "tokens", "lengths", "gen_logprobs")
 
 
-class Cluster:
-    """The two roles' meshes over the devices a `RunPlan` assigned them.
+def mesh_sizes(mesh_cfg, n_generation: int, n_training: int) -> dict[str, tuple[int, int, int]]:
+    """(data, fsdp, tensor) of the generation and training meshes, for `make_mesh`.
 
-    Generation uses data=-1 (every generation device splits the rollout rows); training
-    uses the config's mesh shape. `rules` maps logical parameter axes to mesh axes."""
+    Training takes the config's sizes as they are (one may be -1). Generation keeps the
+    training mesh's fsdp and tensor sizes, resolved to numbers, and gives `data` the rest:
+    every generation device splits the rollout rows, and the parameters keep the layout
+    that made them fit in training (with fsdp=-1 a model too large for one device stays
+    sharded, and in a synchronous run the weight sync is the identity). When the generation
+    group is too small for that (async runs), fsdp shrinks to what the group holds."""
+    sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if fill:  # (more than one -1 is make_mesh's error on the training sizes)
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        sizes[fill[0]] = max(n_training // fixed, 1)
+    fsdp = math.gcd(sizes["fsdp"], max(n_generation // sizes["tensor"], 1))
+    return {"generation": (-1, fsdp, sizes["tensor"]),
+            "training": (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)}
+
+
+class Cluster:
+    """The two roles' meshes over the devices a `RunPlan` assigned them (sizes from
+    `mesh_sizes`: generation splits the rollout rows over every device it has, training
+    uses the config's mesh shape). `rules` maps logical parameter axes to mesh axes."""
 
     def __init__(self, mesh_cfg, generation_devices: Sequence, training_devices: Sequence,
                  *, score_options: dict | None = None):
         self.rules = mesh_cfg.rules
         self.score_options = dict(score_options or {})  # score_rollouts' chunk, micro_batch
-        self.gen_mesh = parallel.make_mesh(-1, mesh_cfg.fsdp, mesh_cfg.tensor,
-                                           list(generation_devices))
-        self.train_mesh = parallel.make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor,
-                                             list(training_devices))
+        sizes = mesh_sizes(mesh_cfg, len(generation_devices), len(training_devices))
+        self.gen_mesh = parallel.make_mesh(*sizes["generation"], list(generation_devices))
+        self.train_mesh = parallel.make_mesh(*sizes["training"], list(training_devices))
 
     @classmethod
     def from_plan(cls, cfg, plan) -> Cluster:

@@ -53,7 +53,8 @@ class DraftLearner:
         d = cfg.draft
         if d.hf_path is not None:
             return load_eagle3(d.hf_path, dtype=cfg.model.dtype,
-                               attention_backend=cfg.model.attention_backend), None
+                               attention_backend=cfg.model.attention_backend,
+                               target_num_layers=self.plan.model_config.num_layers), None
         size = d.draft_vocab_size or self.plan.model_config.vocab_size
         if resuming:
             return jax.eval_shape(lambda: Eagle3Head.init_for(
@@ -77,7 +78,7 @@ class DraftLearner:
         corpus = draft_corpus(
             cluster.place_for_generation(policy), prompts, lengths,
             batch_size=r.prompts_per_step * r.group_size, max_new_tokens=r.max_new_tokens,
-            sampling=self.sampling, stop_tokens=(tokenizer.eos_id,),
+            sampling=self.sampling, stop_tokens=tuple(tokenizer.eos_ids),
             key=jax.random.fold_in(key, 1), pad_id=tokenizer.pad_id,
             generate_fn=lambda *a, **kw: cluster.generate(*a, method=r.method, **kw))
         on_train = cluster.place_policy(policy)

@@ -16,7 +16,8 @@ def step_metrics(batch, grpo_metrics: dict, draft_metrics: dict, *,
     """The row of the step that trained on `batch` (a host RolloutBatch) and made policy
     version `completed`: reward, completion length, speculation (from the batch's
     RolloutStats), the plain-decoding comparison when it ran, and the loss metrics under
-    grpo/ and draft/."""
+    grpo/ and draft/. `fraction_properly_ended`: rows that stopped at an EOS (the rest hit
+    max_new_tokens and, by default, scored 0)."""
     stats = batch.stats
     m: dict[str, Any] = {
         "reward": float(np.mean(batch.rewards)),
@@ -28,6 +29,9 @@ def step_metrics(batch, grpo_metrics: dict, draft_metrics: dict, *,
         "policy_version": int(batch.version),
         "policy_lag": completed - 1 - int(batch.version),
     }
+    ended = getattr(batch, "ended", None)
+    if ended is not None:  # completions that stopped at an EOS, not at max_new_tokens
+        m["fraction_properly_ended"] = float(np.mean(ended))
     proposed = np.asarray(stats.proposed_at, np.float64)
     if proposed.size:  # all depths together (RolloutStats has the per-depth rates only)
         accepted = np.asarray(stats.accepted_at, np.float64)

@@ -6,7 +6,6 @@ to resume from. Values the config schema already checks are not checked again he
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -21,58 +20,11 @@ from jaxspec.decoding import drafters as drafters_lib
 from jaxspec.kernels import resolve_backend
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.rl import tasks as tasks_lib
+from jaxspec.rl.cluster import mesh_sizes
 from jaxspec.rl.faults import RunDirError, check_run_dir
+from jaxspec.rl.tokenizer import HFTokenizer
 
 __all__ = ["HFTokenizer", "RunPlan", "checkpoint_bytes", "prepare_run"]
-
-
-
-class HFTokenizer:
-    """The `CharTokenizer` interface over a local `transformers` tokenizer (no downloads)."""
-
-    # The files one of which a transformers tokenizer is built from (fast, BPE, sentencepiece).
-    FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        if not any(os.path.isfile(os.path.join(path, f)) for f in self.FILES):
-            raise ValueError(f"{path} has no tokenizer files (one of {', '.join(self.FILES)}); "
-                             "copy them beside config.json")
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        if len(self._tok) == 0:
-            raise ValueError(f"the tokenizer in {path} is empty")
-        if self._tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {path} has no EOS token (rollouts need one to stop)")
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
-
-    @property
-    def pad_id(self) -> int:
-        pad = self._tok.pad_token_id
-        return self._tok.eos_token_id if pad is None else pad
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._tok.bos_token_id
-
-    @property
-    def eos_id(self) -> int:
-        return self._tok.eos_token_id
-
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False)
-        if bos and self.bos_id is not None:
-            ids = [self.bos_id] + ids
-        return ids + ([self.eos_id] if eos else [])
-
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
-        return self._tok.decode(ids, skip_special_tokens=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +39,9 @@ class RunPlan:
     generation_devices: tuple
     training_devices: tuple
     resume_step: int | None  # the checkpoint a resumed run restarts from
-
-
-def _read_json(path: str, key: str) -> dict:
-    try:
-        with open(os.path.join(path, "config.json")) as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(key, path, f"cannot read config.json ({e})",
-                          "a local HF directory with a valid config.json") from None
+    # a resumed run's changes from its saved config.yaml: {dotted key: (saved, now)}, none
+    # of them to what the checkpoint holds (those are refused)
+    config_changes: dict = dataclasses.field(default_factory=dict)
 
 
 def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
@@ -109,6 +55,35 @@ def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
         raise ConfigError(key, path, str(e),
                           "a local HF Qwen3/Llama directory with config.json and complete "
                           "*.safetensors") from None
+
+
+def _inspect_head(path: str, model_config: ModelConfig, dtype: str):
+    """The EAGLE-3 head in `path` checked against the policy (config.json, safetensors
+    headers, shapes, captured layers; no weights read): its Eagle3Config, or one ConfigError."""
+    from jaxspec.models.eagle3 import inspect_eagle3
+
+    def bad(problem, valid="an EAGLE-3 head trained for this policy (config.json with "
+                           "draft_vocab_size, complete *.safetensors)"):
+        return ConfigError("draft.hf_path", path, problem, valid)
+
+    try:
+        head = inspect_eagle3(path, target_num_layers=model_config.num_layers, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise bad(str(e)) from None
+    if head.vocab_size != model_config.vocab_size:
+        raise bad(f"the head's vocabulary ({head.vocab_size} target ids) does not match the "
+                  f"policy's ({model_config.vocab_size})", "a head trained for this policy")
+    if model_config.hidden_size not in {head.target_hidden_size} & {head.hidden_size}:
+        raise bad(f"the head's hidden size {head.hidden_size} (target {head.target_hidden_size})"
+                  f" does not match the policy's {model_config.hidden_size}",
+                  "a head trained for this policy")
+    layers = head.capture_layers
+    if not all(0 <= i < model_config.num_layers for i in layers):
+        raise bad(f"the head captures layer outputs {list(layers)} (HF hidden_states "
+                  f"{[i + 1 for i in layers]}): outside the policy's {model_config.num_layers} "
+                  f"layers", f"layer outputs in [0, {model_config.num_layers - 1}]: a head "
+                  f"trained for this policy")
+    return head
 
 
 def _tiny_model_config(spec, vocab: int) -> ModelConfig:
@@ -134,6 +109,40 @@ def _checkpoint_dir(cfg: Config) -> str:
     return os.path.join(cfg.run.dir, "checkpoints")
 
 
+def saved_config_path(cfg: Config) -> str:
+    return os.path.join(cfg.run.dir, "config.yaml")
+
+
+def _resume_changes(cfg: Config) -> dict:
+    """A resumed run against the config.yaml its first start saved: one ConfigError naming
+    every key whose change the checkpoint cannot be restored into; the other changes."""
+    import yaml
+
+    from jaxspec.config import from_dict, to_dict
+    from jaxspec.rl.state import config_changes
+
+    path = saved_config_path(cfg)
+    if not os.path.isfile(path):
+        return {}  # no saved config: the checkpoint check below decides
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh) or {}
+        saved = to_dict(from_dict(raw))  # defaults filled as now
+    except (OSError, yaml.YAMLError, ConfigError) as e:
+        raise ConfigError("run.resume", True, f"the saved config {path} cannot be read ({e})",
+                          "a run.dir whose config.yaml the run wrote") from None
+    shaping, other = config_changes(saved, to_dict(cfg))
+    if shaping:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in shaping.items())
+        now = {k: b for k, (_, b) in shaping.items()}
+        raise ConfigError(", ".join(shaping), now.popitem()[1] if len(now) == 1 else now,
+                          f"the run in {cfg.run.dir} was saved with other values of what its "
+                          f"checkpoint holds ({listed}), so it cannot resume with these",
+                          f"the saved values (resume with `{path}` as the config, adding only "
+                          f"the changes you mean), or a new run.dir")
+    return other
+
+
 def _saved_steps(directory: str) -> list[int]:
     if not os.path.isdir(directory):
         return []
@@ -145,6 +154,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     and its data, the tokenizer, prompt lengths against the cache, the draft against the
     policy, the device split, and the checkpoint to resume from. Raises one ConfigError."""
     d, r = cfg.draft, cfg.rollout
+    changes = _resume_changes(cfg) if cfg.run.resume else {}  # before orbax is touched
     if d.kind == "mtp":
         raise ConfigError("draft.kind", "mtp", "the GRPO trainer has no MTP training loss",
                           "'eagle3', 'draft_model', 'ngram' or 'none'")
@@ -169,7 +179,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     tokenizer = task.tokenizer
     if tokenizer is None:
         try:
-            tokenizer = HFTokenizer(cfg.model.hf_path)
+            tokenizer = HFTokenizer(cfg.model.hf_path, chat_template=cfg.task.chat_template)
         except (OSError, ValueError) as e:
             raise ConfigError("model.hf_path", cfg.model.hf_path, f"no usable tokenizer ({e})",
                               "a HF directory with tokenizer files") from None
@@ -194,7 +204,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     else:
         prompts = [(i, ex.prompt) for i, ex in enumerate(task.batch(0, r.prompts_per_step))]
     for i, text in prompts:
-        n = len(tokenizer.encode(text, bos=True))
+        n = len(tokenizer.encode_prompt(text))  # as generation sees it: templated
         if n > r.max_prompt_len:
             raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
                               f"prompt {i} ({text[:40]!r}...) has {n} tokens: longer than the "
@@ -209,26 +219,24 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     if d.draft_vocab_size is not None and d.draft_vocab_size > vocab:
         raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
                           f"larger than the policy's vocabulary ({vocab})", f"<= {vocab}")
+    draft_vocab = vocab  # the drafter's vocabulary (a tree expands top_k of it per node)
+    if d.kind == "eagle3":
+        draft_vocab = d.draft_vocab_size or vocab
     if d.kind == "eagle3" and d.hf_path is not None:
-        hf = _read_json(d.hf_path, "draft.hf_path")
-        if "draft_vocab_size" not in hf:
-            raise ConfigError("draft.hf_path", d.hf_path, "config.json has no draft_vocab_size: "
-                              "not an EAGLE-3 head", "an EAGLE-3 head directory")
-        head_vocab = hf.get("vocab_size")
-        if head_vocab != vocab:
-            raise ConfigError("draft.hf_path", d.hf_path,
-                              f"the head's vocabulary ({head_vocab} target ids) does not match "
-                              f"the policy's ({vocab})", "a head trained for this policy")
-        target_h = hf.get("target_hidden_size") or hf.get("hidden_size")
-        if target_h != model_config.hidden_size or hf.get("hidden_size") != model_config.hidden_size:
-            raise ConfigError("draft.hf_path", d.hf_path,
-                              f"the head's hidden size {hf.get('hidden_size')} (target "
-                              f"{target_h}) does not match the policy's "
-                              f"{model_config.hidden_size}", "a head trained for this policy")
-        if d.draft_vocab_size is not None and d.draft_vocab_size != hf["draft_vocab_size"]:
+        head = _inspect_head(d.hf_path, model_config, cfg.model.dtype)
+        if d.draft_vocab_size is not None and d.draft_vocab_size != head.draft_vocab_size:
             raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
-                              f"the head in draft.hf_path has {hf['draft_vocab_size']}",
-                              f"null or {hf['draft_vocab_size']}")
+                              f"the head in draft.hf_path has {head.draft_vocab_size}",
+                              f"null or {head.draft_vocab_size}")
+        draft_vocab = head.draft_vocab_size
+        if d.layers is not None and tuple(d.layers) != head.capture_layers:
+            raise ConfigError("draft.layers", list(d.layers),
+                              f"the head in draft.hf_path was trained on layer outputs "
+                              f"{list(head.capture_layers)}", f"null or {list(head.capture_layers)}")
+    if tree is not None and tree.top_k > draft_vocab:
+        raise ConfigError("draft.tree.top_k", tree.top_k,
+                          f"larger than the draft vocabulary ({draft_vocab} tokens): a node has "
+                          f"at most {draft_vocab} children", f"<= {draft_vocab}")
     draft_model_config = None
     if d.kind == "draft_model":
         if d.hf_path is not None:
@@ -256,10 +264,10 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                               f"each >= 1") from None
     else:
         gen = train = devices
-    meshes = {}
-    for key, group, data in (("generation", gen, -1), ("training", train, cfg.mesh.data)):
+    meshes, sizes = {}, mesh_sizes(cfg.mesh, len(gen), len(train))
+    for key, group in (("generation", gen), ("training", train)):
         try:
-            meshes[key] = parallel.make_mesh(data, cfg.mesh.fsdp, cfg.mesh.tensor, list(group))
+            meshes[key] = parallel.make_mesh(*sizes[key], list(group))
         except ValueError as e:
             raise ConfigError("mesh", {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp,
                                        "tensor": cfg.mesh.tensor},
@@ -297,6 +305,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                           "run.resume=true to continue it, or a new run.dir")
     return RunPlan(task=task, tokenizer=tokenizer, model_config=model_config,
                    draft_model_config=draft_model_config, tree=tree, generation_devices=gen,
-                   training_devices=train, resume_step=steps[-1] if cfg.run.resume else None)
+                   training_devices=train, resume_step=steps[-1] if cfg.run.resume else None,
+                   config_changes=changes)
 
 

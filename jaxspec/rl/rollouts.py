@@ -18,7 +18,8 @@ from jaxspec.metrics import StageTimer
 from jaxspec.rl.cluster import Cluster
 from jaxspec.rl.state import RunState
 
-__all__ = ["RolloutBatch", "RolloutWorker", "abstract_batch", "encode_prompts", "make_drafter"]
+__all__ = ["RolloutBatch", "RolloutWorker", "abstract_batch", "completions_ended",
+           "encode_prompts", "make_drafter", "score_completions"]
 
 
 @jax.tree_util.register_dataclass
@@ -32,6 +33,7 @@ class RolloutBatch:
     lengths: Any  # [B] int32
     gen_logprobs: Any  # [B, N] float32 log-probs the generator reported
     rewards: Any  # [B] float32
+    ended: Any  # [B] bool: the completion stopped at an EOS (else it hit max_new_tokens)
     version: Any  # [] int32 policy version (updates applied) that generated it
     step: Any  # [] int32 the step it was generated for (data position = step * prompts)
     stats: RolloutStats  # the generation's speculation counters
@@ -53,24 +55,60 @@ def abstract_batch(batch: int, prompt_len: int, new: int, depth: int) -> Rollout
     return RolloutBatch(prompts=s((batch, prompt_len), i32), prompt_lengths=s((batch,), i32),
                         tokens=s((batch, new), i32), lengths=s((batch,), i32),
                         gen_logprobs=s((batch, new), f32), rewards=s((batch,), f32),
+                        ended=s((batch,), np.dtype(np.bool_)),
                         version=s((), i32), step=s((), i32), stats=stats,
                         plain_time_s=s((), f32), replay_identical=s((), f32))
 
 
 def encode_prompts(tokenizer, texts: Sequence[str], prompt_len: int
                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded prompt tokens (BOS first), [len(texts), prompt_len] int32, and their
-    lengths, [len(texts)] int32."""
+    """Right-padded prompt tokens as the policy sees them (`tokenizer.encode_prompt`: the
+    chat template, else BOS + text), [len(texts), prompt_len] int32, and their lengths,
+    [len(texts)] int32."""
     out = np.full((len(texts), prompt_len), tokenizer.pad_id, np.int32)
     lengths = np.zeros((len(texts),), np.int32)
     for i, text in enumerate(texts):
-        ids = tokenizer.encode(text, bos=True)
+        ids = tokenizer.encode_prompt(text)
         if len(ids) > prompt_len:
             raise ValueError(f"prompt {text[:40]!r} has {len(ids)} tokens; "
                              f"rollout.max_prompt_len is {prompt_len}")
         out[i, :len(ids)] = ids
         lengths[i] = len(ids)
     return out, lengths
+
+
+def completions_ended(
+    tokens,  # [B, N] int generated tokens, right-padded
+    lengths,  # [B] int generated tokens per row (a stop token included)
+    eos_ids,  # the stop tokens
+) -> np.ndarray:  # [B] bool
+    """Whether each completion's last token is an EOS (not cut at max_new_tokens)."""
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    last = tokens[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
+    return (lengths > 0) & np.isin(last, np.asarray(list(eos_ids)))
+
+
+def score_completions(
+    task,
+    tokenizer,
+    examples,  # the step's prompts (Example), each repeated group_size times in the rows
+    tokens,  # [B, N] int generated tokens, right-padded
+    lengths,  # [B] int
+    *,
+    group_size: int,
+    truncated_reward: str = "zero",
+) -> np.ndarray:  # [B] float32
+    """The task's reward of each completion's text up to its first EOS. A truncated
+    completion (no EOS within max_new_tokens) is unfinished: reward 0 under
+    truncated_reward 'zero' (rollout.truncated_reward's default), its text's score under
+    'score'."""
+    ended = completions_ended(tokens, lengths, tokenizer.eos_ids)
+    out = np.zeros((len(lengths),), np.float32)
+    for i in range(len(lengths)):
+        if ended[i] or truncated_reward == "score":
+            completion = tokenizer.decode(tokens[i, :lengths[i]])
+            out[i] = task.reward(examples[i // group_size], completion)
+    return out
 
 
 def make_drafter(draft_cfg, tree, head=None, draft_model=None):
@@ -120,16 +158,17 @@ class RolloutWorker:
         return self.cluster.generate(
             policy, (prompts, lengths), drafter=drafter, rows=rows,
             key=jax.random.fold_in(key, step), sampling=self.sampling,
-            max_new_tokens=r.max_new_tokens, stop_tokens=(self.tokenizer.eos_id,),
+            max_new_tokens=r.max_new_tokens, stop_tokens=tuple(self.tokenizer.eos_ids),
             method=r.method, pad_id=self.tokenizer.pad_id)
 
+    def ended(self, tokens, lengths) -> np.ndarray:  # [B] bool
+        """Which completions stopped at an EOS (generation includes the stop token)."""
+        return completions_ended(tokens, lengths, self.tokenizer.eos_ids)
+
     def rewards(self, examples, tokens, lengths) -> np.ndarray:  # [B] float32
-        g = self.cfg.rollout.group_size
-        out = np.zeros((len(lengths),), np.float32)
-        for i in range(len(lengths)):
-            completion = self.tokenizer.decode(tokens[i, :lengths[i]])
-            out[i] = self.task.reward(examples[i // g], completion)
-        return out
+        r = self.cfg.rollout
+        return score_completions(self.task, self.tokenizer, examples, tokens, lengths,
+                                 group_size=r.group_size, truncated_reward=r.truncated_reward)
 
     def produce(self, state: RunState, step: int, timer: StageTimer,
                 compare: bool) -> RolloutBatch:
@@ -154,6 +193,7 @@ class RolloutWorker:
         return RolloutBatch(
             prompts=prompts, prompt_lengths=lengths, tokens=tokens, lengths=gen_lengths,
             gen_logprobs=np.asarray(out.logprobs), rewards=rewards,
+            ended=self.ended(tokens, gen_lengths),
             version=np.int32(state.completed), step=np.int32(step), stats=out.stats,
             plain_time_s=np.float32(plain_time), replay_identical=np.float32(identical)).host()
 

@@ -12,7 +12,7 @@ import jax
 from jaxspec.checkpoint import CheckpointManager
 from jaxspec.rl.faults import Diverged, all_finite
 
-__all__ = ["RunState", "restore_checkpoint", "save_checkpoint"]
+__all__ = ["RunState", "config_changes", "restore_checkpoint", "save_checkpoint"]
 
 
 @dataclasses.dataclass
@@ -55,6 +55,80 @@ class RunState:
         return {"step": self.completed, "data_position": self.completed * prompts_per_step,
                 "collapsed_steps": self.collapsed_steps, "skipped_steps": self.skipped_steps,
                 "queue": [int(b.step) for b in self.queue]}
+
+
+def _changed(a, b) -> bool:
+    return a != b
+
+
+def _none_vs_value(a, b) -> bool:  # e.g. clip_norm null vs a number: another optax chain
+    return (a is None) != (b is None)
+
+
+def _zero_vs_positive(a, b) -> bool:  # e.g. kl_coef 0: no reference; warmup_steps 0: no schedule
+    return (not a) != (not b)
+
+
+# What shapes the checkpoint tree (RunState.tree): the policy and reference params (model),
+# the optimizer states' structure (optim / draft_optim), the head and its optimizer state
+# (draft), the small draft model, and the async queue's RolloutBatch shapes (rollout, draft
+# depth, async). A change to any of these cannot be restored into; every other key (lr,
+# steps, log_every, sampling, the task, the mesh: orbax restores onto the current
+# shardings, ...) may change on resume. The longest matching prefix decides.
+_STATE_RULES: dict[str, Callable[[Any, Any], bool]] = {
+    "model": _changed,
+    "model.attention_backend": lambda a, b: False,  # how it computes, not what it holds
+    "model.batch_invariant": lambda a, b: False,
+    "draft.kind": _changed,
+    "draft.k": _changed,
+    "draft.tree": _changed,
+    "draft.draft_vocab_size": _changed,
+    "draft.hf_path": _changed,
+    "draft.layers": _changed,
+    "draft.online": _changed,
+    "draft.model": _changed,
+    "rollout.prompts_per_step": _changed,
+    "rollout.group_size": _changed,
+    "rollout.max_prompt_len": _changed,
+    "rollout.max_new_tokens": _changed,
+    "async.enabled": _changed,
+    "async.max_policy_lag": _changed,
+    "grpo.kl_coef": _zero_vs_positive,
+    "optim.clip_norm": _none_vs_value,
+    "optim.warmup_steps": _zero_vs_positive,
+    "draft_optim.clip_norm": _none_vs_value,
+    "draft_optim.warmup_steps": _zero_vs_positive,
+}
+_IGNORED = ("run.resume", "run.dir")  # how this process was started, not the run
+
+
+def _differences(a: dict, b: dict, prefix: str = ""):
+    """(dotted key, a's value, b's value) wherever they differ; a section present on one
+    side only (a tree vs null) is one difference."""
+    for k in sorted(set(a) | set(b), key=str):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            yield from _differences(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            yield f"{prefix}{k}", va, vb
+
+
+def config_changes(saved: dict, now: dict) -> tuple[dict, dict]:
+    """Two configs (the nested `config.to_dict` layout) compared key by key: (changes that
+    shape the checkpointed state, the other changes), each {dotted key: (saved, now)}."""
+    # a saved model.hf_path run checkpoints the reference only after a warm-up
+    hf = (now.get("model") or {}).get("hf_path") is not None
+    shaping, other = {}, {}
+    for key, old, new in _differences(saved, now):
+        if key in _IGNORED:
+            continue
+        parts = key.split(".")
+        rule = next((_STATE_RULES[".".join(parts[:n])] for n in range(len(parts), 0, -1)
+                     if ".".join(parts[:n]) in _STATE_RULES), None)
+        if key == "warmup.steps" and hf:
+            rule = _zero_vs_positive
+        (shaping if rule is not None and rule(old, new) else other)[key] = (old, new)
+    return shaping, other
 
 
 def save_checkpoint(directory: str, state: RunState, *, prompts_per_step: int,

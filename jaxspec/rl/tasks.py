@@ -28,6 +28,7 @@ class CharTokenizer:
 
     PAD, BOS, EOS = 0, 1, 2
     ALPHABET = "0123456789+-*/=(),.:; "
+    chat_template = False  # prompts are raw text (base-model tasks)
 
     def __init__(self):
         self._id = {c: i + 3 for i, c in enumerate(self.ALPHABET)}
@@ -47,6 +48,15 @@ class CharTokenizer:
     @property
     def eos_id(self) -> int:
         return self.EOS
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a completion (the stop tokens of generation)."""
+        return (self.EOS,)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the policy sees it: BOS + the text."""
+        return self.encode(text, bos=True)
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = []
@@ -437,7 +447,8 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
 
 class JsonlTask(Task):
     """Math prompts from a JSONL file, visited in a fresh seeded order every epoch;
-    reward 1 when the completion's answer (boxed, else last number) matches."""
+    reward 1 when the completion's final answer matches (`answers.check_answer`:
+    math-verify, with our checker where it gives no verdict)."""
 
     name = "jsonl"
 

@@ -32,6 +32,7 @@ checks, exit codes). `GRPOTrainer` composes them and runs the loop.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -53,7 +54,13 @@ from jaxspec.rl.drafting import DraftLearner
 from jaxspec.rl.faults import Diverged, Preempted, SaveFailed, StopSignals, all_finite
 from jaxspec.rl.grpo import group_advantages
 from jaxspec.rl.metrics import collapse_alarm, step_metrics
-from jaxspec.rl.plan import HFTokenizer, RunPlan, _checkpoint_dir, prepare_run
+from jaxspec.rl.plan import (
+    HFTokenizer,
+    RunPlan,
+    _checkpoint_dir,
+    prepare_run,
+    saved_config_path,
+)
 from jaxspec.rl.rollouts import RolloutBatch, RolloutWorker, abstract_batch, make_drafter
 from jaxspec.rl.state import RunState, restore_checkpoint, save_checkpoint
 from jaxspec.rl.steps import (
@@ -78,6 +85,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("jaxspec.rl")
+CONFIG_HISTORY = "config_history.jsonl"  # one line per resume: its step and config changes
 
 
 def _copy(tree):
@@ -136,6 +144,10 @@ class GRPOTrainer:
         if plan.resume_step is not None:
             self._restore(plan.resume_step)
             self.saved_step = plan.resume_step
+            if plan.config_changes:
+                self.log("resuming with changes to the saved config: " + ", ".join(
+                    f"{k} {a!r} -> {b!r}" for k, (a, b) in plan.config_changes.items())
+                    + f" (recorded in {os.path.join(cfg.run.dir, CONFIG_HISTORY)})")
         self._place()
 
     # ------------------------------------------------------------------ building
@@ -334,11 +346,7 @@ class GRPOTrainer:
             with StopSignals(log=self.log) as own:
                 return self.run(on_step, stop=own)
         cfg = self.cfg
-        try:
-            os.makedirs(cfg.run.dir, exist_ok=True)
-            save_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
-        except OSError as e:
-            raise SaveFailed("the resolved config", cfg.run.dir, e, self.saved_step) from e
+        self.write_config()
         finite, bad = all_finite([m for m in self.state.models if m is not None])
         if not finite:  # generation (and acceptance) against a non-finite policy means nothing
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
@@ -356,6 +364,25 @@ class GRPOTrainer:
                              self.saved_step) from e
         self.export()
         return row
+
+    def write_config(self) -> None:
+        """<run.dir>/config.yaml: the resolved config of the run's first start, kept as it is
+        on resume; each resume appends {step, time, changes: {key: [saved, now]}} to
+        <run.dir>/config_history.jsonl, so what a resumed run changed is on record."""
+        cfg = self.cfg
+        path = saved_config_path(cfg)
+        try:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+            if self.plan.resume_step is None or not os.path.isfile(path):
+                save_config(cfg, path)
+            if self.plan.resume_step is not None:
+                entry = {"resumed_at_step": self.plan.resume_step,
+                         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                         "changes": {k: list(v) for k, v in self.plan.config_changes.items()}}
+                with open(os.path.join(cfg.run.dir, CONFIG_HISTORY), "a") as fh:
+                    fh.write(json.dumps(entry) + "\n")
+        except OSError as e:
+            raise SaveFailed("the resolved config", cfg.run.dir, e, self.saved_step) from e
 
     def _loop(self, writer: MetricsWriter, stop: StopSignals, on_step) -> dict | None:
         cfg, row = self.cfg, None
@@ -395,14 +422,18 @@ class GRPOTrainer:
                    f"{_checkpoint_dir(self.cfg)} and exported to {self.cfg.run.dir}")
 
     def export(self) -> None:
-        """The trained policy to <run.dir>/policy (HF safetensors) and an EAGLE-3 head to
-        <run.dir>/eagle3 (the vLLM / SGLang layout), for serving or scripts/bench_rollout.py."""
+        """The trained policy to <run.dir>/policy (HF safetensors with the tokenizer files,
+        generation_config.json and special ids: `AutoTokenizer` and a server use it as it is)
+        and an EAGLE-3 head to <run.dir>/eagle3 (the vLLM / SGLang layout, the captured layers
+        in both servers' fields), for serving or scripts/bench_rollout.py."""
         finite, bad = all_finite([self.policy, self.head])
         if not finite:
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
                            f"tensors: not exported", step=self.completed)
         try:
-            export_models(self.cfg.run.dir, self.policy, self.head)
+            export_models(self.cfg.run.dir, self.policy, self.head,
+                          source=self.cfg.model.hf_path,
+                          tokenizer=self.tokenizer if self.cfg.model.hf_path is None else None)
         except OSError as e:
             raise SaveFailed(f"the models of step {self.completed}", self.cfg.run.dir, e,
                              self.saved_step) from e

@@ -44,12 +44,13 @@ def encode_pairs(
     pairs: Sequence[tuple[str, str]],
     seq_len: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # (tokens [N, T] int32, loss_mask [N, T] bool)
-    """BOS + prompt + completion + EOS per pair, right-padded with PAD to `seq_len` (default:
-    the longest). loss_mask[n, t] is true where position t predicts a completion token or
-    the EOS (the next-token convention of `Policy.forward`'s logits)."""
+    """Prompt (`encode_prompt`: BOS + text, or the chat template) + completion + EOS per
+    pair, right-padded with PAD to `seq_len` (default: the longest). loss_mask[n, t] is true
+    where position t predicts a completion token or the EOS (the next-token convention of
+    `Policy.forward`'s logits)."""
     rows, starts = [], []
     for prompt, completion in pairs:
-        head = tokenizer.encode(prompt, bos=True)
+        head = tokenizer.encode_prompt(prompt)  # as rollouts see it (chat template)
         rows.append(head + tokenizer.encode(completion, eos=True))
         starts.append(len(head))
     width = max(len(r) for r in rows) if seq_len is None else seq_len

@@ -132,7 +132,9 @@ def test_saved_head_loads_into_torch_reference(policy, tmp_path):
     assert np.array_equal(np.nonzero(ref.t2d.numpy())[0], np.arange(0, 96, 2))
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 48 and cfg["num_hidden_layers"] == 1
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in head.capture_layers]
+    # vLLM reads the top-level ids (layer inputs), SGLang eagle_config's (layer outputs)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in head.capture_layers]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.capture_layers)
 
 
 def test_torch_weights_load_into_our_head(policy, tmp_path):

@@ -308,3 +308,64 @@ def test_config_preset_matches_the_hf_tiny_model(hf):
     """ModelConfig.tiny is the config of the tiny HF models above (same compiled forward)."""
     assert load_hf(hf["qwen3_tied"][0]).config == ModelConfig.tiny("qwen3")
     assert load_hf(hf["llama3"][0]).config == ModelConfig.tiny("llama")
+
+
+# --------------------------------------------------------------------------- servable exports
+
+
+def test_run_export_with_the_builtin_tokenizer_is_servable(tmp_path):
+    """A tiny run's policy/: AutoTokenizer round-trips the character tokenizer, the special
+    ids are in config.json and generation_config.json stops at EOS."""
+    import jax
+
+    from jaxspec.models import Policy
+    from jaxspec.rl.build import export_models
+    from jaxspec.rl.tasks import CharTokenizer
+
+    tok = CharTokenizer()
+    policy = Policy.init(ModelConfig.tiny("qwen3").replace(vocab_size=32), jax.random.key(0))
+    export_models(str(tmp_path), policy, tokenizer=tok)
+    out = tmp_path / "policy"
+    served = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = "12+(3*4)= 15.5"
+    assert served.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert served.decode(tok.encode(text)) == text
+    assert (served.bos_token_id, served.eos_token_id, served.pad_token_id) == (
+        tok.bos_id, tok.eos_id, tok.pad_id)
+    gen = transformers.GenerationConfig.from_pretrained(out, local_files_only=True)
+    assert gen.eos_token_id == tok.eos_id
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 0)
+    assert load_hf(out).config == policy.config
+
+
+def test_run_export_from_an_hf_model_carries_its_serving_files(hf, tmp_path):
+    """model.hf_path's tokenizer (byte-level BPE with a chat template) and its EOS list go
+    into policy/ unchanged."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxspec.rl.build import export_models
+
+    path, *_ = hf["qwen3_tied"]
+    src = tmp_path / "src"
+    shutil.copytree(path, src)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["the answer is 42", "x + y = 7"] * 8, trainers.BpeTrainer(
+        vocab_size=100, special_tokens=["<|endoftext|>", "<|im_end|>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    fast.save_pretrained(src)
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 0]}))
+    export_models(str(tmp_path / "run"), load_hf(src), source=str(src))
+    out = tmp_path / "run" / "policy"
+    served = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = "the answer is 42"
+    assert served.encode(text) == fast.encode(text) and served.decode(fast.encode(text)) == text
+    assert served.apply_chat_template([{"role": "user", "content": "x"}],
+                                      tokenize=False) == "x<|im_end|>"
+    gen = transformers.GenerationConfig.from_pretrained(out, local_files_only=True)
+    assert gen.eos_token_id == [1, 0]
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == [1, 0]

@@ -295,3 +295,85 @@ def test_worked_addition_rejects_bad_parameters():
         WorkedAdditionTask(max_digits=0)
     with pytest.raises(ValueError, match="warmup_noise"):
         WorkedAdditionTask(warmup_noise=1.5)
+
+
+# ----------------------------------------------------------------------------- HF tokenizer
+# A real-format tokenizer directory (byte-level BPE, Qwen's special tokens, a chat template)
+# as test_real_config.py builds it; transformers' own tokenizer is the reference.
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory):
+    from test_real_config import _tokenizer_files
+
+    path = tmp_path_factory.mktemp("tok")
+    ids = _tokenizer_files(path)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}))
+    return path, ids
+
+
+def test_hf_tokenizer_chat_template_and_every_eos(hf_tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from jaxspec.rl.tokenizer import HFTokenizer
+
+    path, ids = hf_tokenizer_dir
+    im_end, eot = ids["<|im_end|>"], ids["<|endoftext|>"]
+    ref = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok = HFTokenizer(str(path))  # chat_template 'auto': the tokenizer has one
+    assert tok.chat_template and tok.eos_ids == (im_end, eot) and tok.eos_id == im_end
+    turn = [{"role": "user", "content": "What is 2+3?"}]
+    assert tok.encode_prompt("What is 2+3?") == list(ref.apply_chat_template(
+        turn, tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert tok.format_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    raw = HFTokenizer(str(path), chat_template=False)
+    assert raw.encode_prompt("What is 2+3?") == ref.encode("What is 2+3?", add_special_tokens=False)
+    # Text after the first EOS of either kind is never decoded (never graded).
+    answer = tok.encode("The answer is 42.")
+    for eos in (im_end, eot):
+        assert tok.decode(answer + [eos] + tok.encode(" no, 7")) == "The answer is 42."
+    # No template: 'auto' sends raw text, true is an error naming the key.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("tokenizer.json", "generation_config.json"):
+        (bare / f).write_bytes((path / f).read_bytes())
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not HFTokenizer(str(bare)).chat_template
+    with pytest.raises(ValueError, match="task.chat_template is true"):
+        HFTokenizer(str(bare), chat_template=True)
+
+
+def test_truncated_completions_score_zero_unless_configured():
+    from jaxspec.rl.rollouts import completions_ended, score_completions
+
+    tok, task = CharTokenizer(), make_task("arithmetic")
+    ex = Example("1+2=", "03", "03")
+    eos, pad = tok.EOS, tok.PAD
+    rows = [tok.encode("03") + [eos], tok.encode("03"), tok.encode("03") + [eos, pad], [eos, pad, pad]]
+    tokens = np.array([r + [pad] * (4 - len(r)) for r in rows])
+    lengths = np.array([3, 2, 3, 1])  # row 1 ran out of tokens; row 3 stopped at once
+    np.testing.assert_array_equal(completions_ended(tokens, lengths, tok.eos_ids),
+                                  [True, False, True, True])
+    zero = score_completions(task, tok, [ex], tokens, lengths, group_size=4)
+    score = score_completions(task, tok, [ex], tokens, lengths, group_size=4,
+                              truncated_reward="score")
+    np.testing.assert_array_equal(zero, [1.0, 0.0, 1.0, 0.0])
+    np.testing.assert_array_equal(score, [1.0, 1.0, 1.0, 0.0])
+
+
+def test_chat_template_and_truncated_reward_keys():
+    from jaxspec.config import ConfigError, load_config
+
+    cfg = load_config(None)
+    assert cfg.task.chat_template == "auto" and cfg.rollout.truncated_reward == "zero"
+    cfg = load_config(None, ["task.chat_template=false", "rollout.truncated_reward=score"])
+    assert cfg.task.chat_template is False and cfg.rollout.truncated_reward == "score"
+    for override, key, words in [
+            ("task.chat_template=true", "task.chat_template", "has no chat template"),
+            ("task.chat_template=maybe", "task.chat_template", "'auto'"),
+            ("rollout.truncated_reward=half", "rollout.truncated_reward", "'zero', 'score'")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert e.value.key == key and words in str(e.value), str(e.value)
