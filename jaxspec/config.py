@@ -745,6 +745,12 @@ class Config(_Section):
                               f"does not divide the {batch} rollouts of a step "
                               f"(rollout.prompts_per_step x rollout.group_size)",
                               f"a divisor of {batch}")
+        micro = self.grpo.micro_batch
+        if micro and (batch // self.grpo.minibatches) % micro:
+            raise ConfigError("grpo.micro_batch", micro,
+                              f"does not divide the {batch // self.grpo.minibatches} rollouts of "
+                              f"a minibatch (rollouts of a step / grpo.minibatches)",
+                              f"0 or a divisor of {batch // self.grpo.minibatches}")
         if self.async_.enabled and self.grpo.tis == "none":
             raise ConfigError("grpo.tis", "none",
                               "async rollouts are off-policy by up to max_policy_lag steps",

@@ -73,8 +73,10 @@ class Transformer(nnx.Module):
         cache_lengths,  # [B] int32, <= S
         mask,  # [B, T, T] bool
         capture: tuple[int, ...] = (),
+        head: bool = True,
     ):
-        """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new)."""
+        """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new);
+        head=False returns the final-normed hidden states [B,T,H] in place of the logits."""
         x = self.embed(tokens)
         if self.config.batch_invariant:  # float32 activations (see jaxspec.kernels.invariant)
             x = x.astype(jnp.float32)
@@ -82,6 +84,9 @@ class Transformer(nnx.Module):
         captured = jnp.zeros((len(capture),) + x.shape, x.dtype)
         capture_ids = jnp.asarray(capture, jnp.int32)
 
+        # Each layer is rematerialised in the backward (a no-op without differentiation): a
+        # training step stores one [B, T, H] input per layer, not every layer's internals.
+        @functools.partial(jax.checkpoint, prevent_cse=False)
         def body(carry, xs):
             x, captured = carry
             params, k_layer, v_layer, index = xs
@@ -96,14 +101,15 @@ class Transformer(nnx.Module):
         (x, captured), (k_new, v_new) = jax.lax.scan(
             body, (x, captured), (layer_params, k_cache, v_cache, indices)
         )
-        return self.logits(self.norm(x)), captured, k_new, v_new
+        x = self.norm(x)
+        return (self.logits(x) if head else x), captured, k_new, v_new
 
 
 # --------------------------------------------------------------------------- policy
 
 
-@functools.partial(jax.jit, static_argnames=("capture",))
-def _forward(policy, tokens, positions, cache, mask, capture):
+@functools.partial(jax.jit, static_argnames=("capture", "head"))
+def _forward(policy, tokens, positions, cache, mask, capture, head=True):
     model = nnx.merge(policy.graphdef, policy.params)
     cfg = policy.config
     b, t = tokens.shape
@@ -116,7 +122,7 @@ def _forward(policy, tokens, positions, cache, mask, capture):
     s = k_cache.shape[2]
     valid, mask = new_token_mask(positions, mask)
     logits, captured, k_new, v_new = model(
-        tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture
+        tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture, head
     )
     captured = {layer: captured[i] for i, layer in enumerate(capture)}
     if cache is None:
@@ -232,8 +238,12 @@ class Policy:
         *,
         mask=None,  # [B, T, T] bool among the new tokens; default causal
         capture: tuple[int, ...] = (),
+        head: bool = True,
     ):
         """-> (logits [B,T,V] float32, {layer: hidden [B,T,H]}, cache).
+
+        head=False returns the final-normed hidden states [B,T,H] instead of the logits, for
+        losses fused with the LM head (jaxspec.rl.chunked).
 
         Each new token sees its row's cached prefix [0, lengths[b]) and the new tokens the
         mask allows. capture=(i, ...) returns the output of decoder layer i (0-based, before
@@ -272,7 +282,7 @@ class Policy:
                         f"forward would write past the KV cache: rows {over.tolist()} need "
                         f"{need[over].tolist()} slots, max_len={cache.max_len}"
                     )
-        return _forward(self, tokens, positions, cache, mask, capture)
+        return _forward(self, tokens, positions, cache, mask, capture, bool(head))
 
 
 jax.tree_util.register_dataclass(Policy)

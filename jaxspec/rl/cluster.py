@@ -44,15 +44,19 @@ class Cluster:
     `mesh_sizes`: generation splits the rollout rows over every device it has, training
     uses the config's mesh shape). `rules` maps logical parameter axes to mesh axes."""
 
-    def __init__(self, mesh_cfg, generation_devices: Sequence, training_devices: Sequence):
+    def __init__(self, mesh_cfg, generation_devices: Sequence, training_devices: Sequence,
+                 *, score_options: dict | None = None):
         self.rules = mesh_cfg.rules
+        self.score_options = dict(score_options or {})  # score_rollouts' chunk, micro_batch
         sizes = mesh_sizes(mesh_cfg, len(generation_devices), len(training_devices))
         self.gen_mesh = parallel.make_mesh(*sizes["generation"], list(generation_devices))
         self.train_mesh = parallel.make_mesh(*sizes["training"], list(training_devices))
 
     @classmethod
     def from_plan(cls, cfg, plan) -> Cluster:
-        return cls(cfg.mesh, plan.generation_devices, plan.training_devices)
+        return cls(cfg.mesh, plan.generation_devices, plan.training_devices,
+                   score_options=dict(chunk=cfg.grpo.logprob_chunk,
+                                      micro_batch=cfg.grpo.micro_batch))
 
     # ------------------------------------------------------------------ training side
     def training(self):
@@ -82,7 +86,7 @@ class Cluster:
         arrays = self.shard_batch(dict(zip(_SCORED_INPUTS, batch, strict=True)))
         with self.training():
             return score_rollouts(policy, ref_params, **arrays, sampling=sampling,
-                                  capture=capture, filtered=filtered)
+                                  capture=capture, filtered=filtered, **self.score_options)
 
     # ------------------------------------------------------------------ generation side
     def sync_weights(self, policy, head=None, draft_model=None):

@@ -31,7 +31,9 @@ class DraftLearner:
         self.sampling, self.filtered = sampling, filtered
         self.log = log or logging.getLogger("jaxspec.rl").info
         self.optimizer = make_optimizer(cfg.draft_optim)
-        self.loss_cfg = DraftLossConfig(steps=cfg.draft.ttt_steps, decay=cfg.draft.ttt_decay)
+        self.loss_cfg = DraftLossConfig(steps=cfg.draft.ttt_steps, decay=cfg.draft.ttt_decay,
+                                        chunk=cfg.grpo.logprob_chunk,
+                                        micro_batch=cfg.grpo.micro_batch)
 
     def init_state(self, head):
         """A fresh optimizer state for the head's params."""

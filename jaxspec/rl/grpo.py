@@ -37,6 +37,12 @@ class GRPOConfig:
     tis: Literal["none", "token", "sequence"] = "none"  # truncated importance weights
     tis_cap: float = 2.0  # > 0
     minibatches: int = 1  # optimizer updates per step, on disjoint minibatches
+    # Vocabulary entries per chunk of the LM head fused with the log-prob / entropy / draft
+    # losses (jaxspec.rl.chunked): the [B, T, V] logits are never materialised; 0 = unchunked.
+    logprob_chunk: int = 8192
+    # Rollout rows per forward of the logprob and training stages (gradients accumulate over
+    # the micro-batches of a minibatch); 0 = the whole batch / minibatch in one forward.
+    micro_batch: int = 0
 
     def __post_init__(self):
         for name, registry in (("loss", LOSSES), ("advantage", ADVANTAGES)):
@@ -67,6 +73,11 @@ class GRPOConfig:
         if not isinstance(self.minibatches, int) or self.minibatches < 1:
             raise ValueError(f"GRPOConfig.minibatches={self.minibatches!r} is out of range; "
                              f"valid: an int >= 1")
+        for name in ("logprob_chunk", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"GRPOConfig.{name}={value!r} is out of range; valid: an int "
+                                 f">= 0 (0: off)")
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxspec.decoding.sampling import SamplingConfig, process_logits
+from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models import Policy
-from jaxspec.rl.draft import draft_train_step
+from jaxspec.rl import chunked
+from jaxspec.rl.chunked import lm_head, token_logprobs
+from jaxspec.rl.draft import TargetHead, draft_train_step
 from jaxspec.rl.grpo import grpo_loss
 
 __all__ = [
@@ -47,28 +49,27 @@ def sampling_of(spec) -> tuple[SamplingConfig, bool]:
             spec.top_k > 0 or spec.top_p < 1.0)
 
 
-def _token_logprobs(logits, tokens, sampling, filtered: bool):
+def _token_logprobs(policy: Policy, hidden, tokens, sampling, filtered: bool, chunk: int):
     """log p(token t+1) under the processed sampling distribution (what the generator
-    reports), and that distribution's entropy, at every position t: [B,T,V], [B,T] -> [B,T] x2.
-
-    Differentiable in the logits: temperature scaling, then (when `filtered`, i.e. top-k or
-    top-p is on) the kept set of `process_logits` as a constant mask."""
-    x = logits.astype(jnp.float32)
-    temperature = jnp.asarray(sampling.temperature, jnp.float32)
-    z = (x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))) / jnp.where(
-        temperature > 0, temperature, 1.0)
-    if filtered:
-        kept = jnp.isfinite(jax.lax.stop_gradient(process_logits(x, sampling)))
-        z = jnp.where(kept, z, -jnp.inf)
-    logp = jax.nn.log_softmax(z, axis=-1)
-    nxt = jnp.roll(tokens, -1, axis=1)
-    lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
-    p = jnp.exp(logp)
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    return lp, entropy
+    reports), and that distribution's entropy, at every position t, from the final hidden
+    states fused with the policy's LM head in vocabulary chunks: [B,T,H], [B,T] -> [B,T] x2."""
+    weight, axis = lm_head(policy)
+    return token_logprobs(hidden, weight, jnp.roll(tokens, -1, axis=1), sampling,
+                          vocab_axis=axis, filtered=filtered, chunk=chunk,
+                          invariant=policy.config.batch_invariant)
 
 
-@functools.partial(jax.jit, static_argnames=("capture", "filtered"))
+def _micro(rows: int, micro_batch: int) -> int:
+    """The micro-batch size for `rows` rows (0: all of them), checked."""
+    if micro_batch == 0 or micro_batch >= rows:
+        return 0
+    if rows % micro_batch:
+        raise ValueError(f"micro_batch={micro_batch} does not divide the {rows} rows of a "
+                         f"forward; valid: 0 or a divisor of {rows}")
+    return micro_batch
+
+
+@functools.partial(jax.jit, static_argnames=("capture", "filtered", "chunk", "micro_batch"))
 def score_rollouts(
     policy: Policy,
     ref_params,  # the reference policy's params, or None (no KL)
@@ -81,14 +82,19 @@ def score_rollouts(
     *,
     capture: tuple[int, ...] = (),
     filtered: bool = False,
+    chunk: int = 8192,
+    micro_batch: int = 0,
 ) -> dict[str, jax.Array]:
     """The logprob stage: pack prompt + rollout into [B, T = P + N] sequences (right-padded,
-    positions -1 on padding) and run the policy (and reference) over them.
+    positions -1 on padding) and run the policy (and reference) over them, `micro_batch`
+    rows per forward (0: all), the LM head fused with the log-probs in vocabulary chunks of
+    `chunk` (jaxspec.rl.chunked; 0: whole logits).
 
     Values at position t are about token t+1 ("next-token" layout): logprobs, entropy,
     ref_logprobs, gen_logprobs, mask (t+1 is a rollout token). Draft supervision:
-    features [B,T,3H] (captured layers), target_logits [B,T,V] (raw), response [B,T]
-    (token t is a rollout token)."""
+    features [B,T,3H] (captured layers), target_hidden [B,T,H] (the policy's final-normed
+    hidden states: its logits are target_hidden @ LM head), response [B,T] (token t is a
+    rollout token)."""
     p = prompts.shape[1]
     n = tokens.shape[1]
     idx = jnp.arange(p + n, dtype=jnp.int32)[None, :]
@@ -102,17 +108,29 @@ def score_rollouts(
     mask = jnp.roll(response, -1, axis=1).at[:, -1].set(False)
     gen_lp = jnp.where(mask, jnp.take_along_axis(gen_logprobs, jnp.clip(off + 1, 0, n - 1), axis=1), 0.0)
 
-    logits, captured, _ = policy.forward(seq, positions, capture=capture)
-    lp, entropy = _token_logprobs(logits, seq, sampling, filtered)
-    out = {"tokens": seq, "positions": positions, "mask": mask, "response": response,
-           "logprobs": jnp.where(mask, lp, 0.0), "entropy": entropy, "gen_logprobs": gen_lp}
-    if ref_params is not None:
-        ref_logits, _, _ = policy.replace(params=ref_params).forward(seq, positions)
-        out["ref_logprobs"] = jnp.where(mask, _token_logprobs(ref_logits, seq, sampling, filtered)[0], 0.0)
-    if capture:
-        out["features"] = jnp.concatenate([captured[i] for i in capture], axis=-1)
-        out["target_logits"] = logits
-    return out
+    def forward(rows):  # one micro-batch of (seq, positions, mask)
+        seq, positions, mask = rows
+        hidden, captured, _ = policy.forward(seq, positions, capture=capture, head=False)
+        lp, entropy = _token_logprobs(policy, hidden, seq, sampling, filtered, chunk)
+        out = {"logprobs": jnp.where(mask, lp, 0.0), "entropy": entropy}
+        if ref_params is not None:
+            ref = policy.replace(params=ref_params)
+            ref_hidden, _, _ = ref.forward(seq, positions, head=False)
+            ref_lp = _token_logprobs(ref, ref_hidden, seq, sampling, filtered, chunk)[0]
+            out["ref_logprobs"] = jnp.where(mask, ref_lp, 0.0)
+        if capture:
+            out["features"] = jnp.concatenate([captured[i] for i in capture], axis=-1)
+            out["target_hidden"] = hidden
+        return out
+
+    micro = _micro(seq.shape[0], micro_batch)
+    if micro:
+        parts = chunked.split_rows((seq, positions, mask), micro)
+        out = chunked.join_rows(jax.lax.map(forward, parts))
+    else:
+        out = forward((seq, positions, mask))
+    return {"tokens": seq, "positions": positions, "mask": mask, "response": response,
+            "gen_logprobs": gen_lp, **out}
 
 
 POLICY_INPUTS = ("tokens", "positions", "mask", "logprobs", "gen_logprobs", "entropy",
@@ -136,20 +154,43 @@ def policy_update(
     filtered: bool,
 ):
     """GRPO updates of the policy over `minibatches` disjoint slices of the batch (a scan);
-    metrics are averaged over them (min / max for the ratio extremes)."""
+    metrics are averaged over them (min / max for the ratio extremes). Each minibatch's
+    gradient accumulates over forwards of `grpo_cfg.micro_batch` rows (0: one forward), the
+    log-probs fused with the LM head in chunks of `grpo_cfg.logprob_chunk`."""
     data = dict(scored, advantages=advantages)
     data = jax.tree.map(lambda x: x.reshape((minibatches, -1) + x.shape[1:]), data)
+    micro = _micro(data["tokens"].shape[1], grpo_cfg.micro_batch)
 
-    def loss_fn(params, mb):
-        logits, _, _ = policy.replace(params=params).forward(mb["tokens"], mb["positions"])
-        lp, _ = _token_logprobs(logits, mb["tokens"], sampling, filtered)
+    def loss_fn(params, mb, denominator=None):
+        current = policy.replace(params=params)
+        hidden, _, _ = current.forward(mb["tokens"], mb["positions"], head=False)
+        lp, _ = _token_logprobs(current, hidden, mb["tokens"], sampling, filtered,
+                                grpo_cfg.logprob_chunk)
         return grpo_loss(lp, mb["logprobs"], mb.get("ref_logprobs"), mb["advantages"],
                          mb["mask"], grpo_cfg, gen_logprobs=mb["gen_logprobs"],
-                         entropy=mb["entropy"])
+                         entropy=mb["entropy"], denominator=denominator)
+
+    def grad_fn(params, mb):
+        if not micro:
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            return grads, metrics
+        if grpo_cfg.loss_agg == "token":
+            denominator = jnp.sum(mb["mask"])
+        else:
+            denominator = jnp.sum(jnp.any(mb["mask"], axis=1))
+
+        def part_grad(part):
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, part, denominator)
+            return grads, metrics
+
+        grads, metrics = chunked.accumulate_gradients(part_grad, params,
+                                                      chunked.split_rows(mb, micro))
+        return grads, _combine_micro(metrics)
 
     def body(carry, mb):
         params, opt_state = carry
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        grads, metrics = grad_fn(params, mb)
         metrics["grad_norm"] = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), metrics
@@ -165,6 +206,26 @@ def policy_update(
     params, opt_state = _keep_if_finite(flags, (params, new_opt_state), (policy.params, opt_state))
     out.update({k: f for k, f in zip(FINITE_KEYS, flags, strict=True)})
     return policy.replace(params=params), opt_state, out
+
+
+def _combine_micro(metrics: dict) -> dict:
+    """One minibatch's metrics from its micro-batches' [n] values: the loss (each a part of
+    the sum over the same denominator) and valid_tokens add up, extremes take min / max,
+    advantage_mean averages, and the masked means are weighted by their valid tokens."""
+    tokens = metrics["valid_tokens"]
+    out = {}
+    for k, v in metrics.items():
+        if k in ("loss", "valid_tokens"):
+            out[k] = v.sum()
+        elif k in _MIN_KEYS:
+            out[k] = v.min()
+        elif k in _MAX_KEYS:
+            out[k] = v.max()
+        elif k == "advantage_mean":
+            out[k] = v.mean()
+        else:
+            out[k] = jnp.sum(v * tokens) / jnp.maximum(jnp.sum(tokens), 1)
+    return out
 
 
 def _tree_finite(tree) -> jax.Array:
@@ -184,9 +245,12 @@ def draft_update(head, opt_state, policy: Policy, scored: dict, *, optimizer, lo
     `scored` is score_rollouts' output with capture on; `policy` gives the frozen embedding.
     Returns (head, opt_state, metrics); a non-finite loss, gradient norm or new parameter
     keeps the old head and optimizer state (the FINITE_KEYS flags say which)."""
+    weight, axis = lm_head(policy)
+    target = TargetHead(scored["target_hidden"], weight, vocab_axis=axis,
+                        invariant=policy.config.batch_invariant)
     new_head, new_opt_state, metrics = draft_train_step(
         head, opt_state, optimizer, policy.embed, scored["features"], scored["tokens"],
-        scored["target_logits"], scored["response"], loss_cfg)
+        target, scored["response"], loss_cfg)
     flags = (jnp.isfinite(metrics["draft_loss"]), jnp.isfinite(metrics["draft_grad_norm"]),
              _tree_finite(new_head.params))
     head, opt_state = _keep_if_finite(flags, (new_head, new_opt_state), (head, opt_state))
