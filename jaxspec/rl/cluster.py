@@ -80,13 +80,15 @@ class Cluster:
         return parallel.shard_batch(x, self.train_mesh, self.rules)
 
     def score(self, policy, ref_params, batch: Sequence, *, sampling, capture=(),
-              filtered: bool = False) -> dict:
+              filtered: bool = False, **options) -> dict:
         """The logprob stage (`score_rollouts`) on the training devices; `batch` is (prompts,
-        prompt lengths, rollout tokens, lengths, generation log-probs), host arrays."""
+        prompt lengths, rollout tokens, lengths, generation log-probs), host arrays;
+        `options` (micro_batch, recompute) override score_rollouts' defaults of the run."""
         arrays = self.shard_batch(dict(zip(_SCORED_INPUTS, batch, strict=True)))
         with self.training():
             return score_rollouts(policy, ref_params, **arrays, sampling=sampling,
-                                  capture=capture, filtered=filtered, **self.score_options)
+                                  capture=capture, filtered=filtered,
+                                  **{**self.score_options, **options})
 
     # ------------------------------------------------------------------ generation side
     def sync_weights(self, policy, head=None, draft_model=None):

@@ -43,6 +43,17 @@ class GRPOConfig:
     # Rollout rows per forward of the logprob and training stages (gradients accumulate over
     # the micro-batches of a minibatch); 0 = the whole batch / minibatch in one forward.
     micro_batch: int = 0
+    # Sync GRPO: use the generator's log-probs as the old-policy log-probs instead of
+    # recomputing them in the logprob stage, when a measured check finds them exact: every
+    # step recomputes `reuse_check_rows` rows (all rows at a run's first step) and compares.
+    reuse_generation_logprobs: bool = False
+    reuse_check_rows: int = 8  # >= 1; rounded up to a multiple of the training batch shards
+    # max |generation - training| log-prob allowed (0 = bitwise). On this CPU the two differ by
+    # <= 4.8e-7 in float32 and in bf16 with model.batch_invariant (the log-softmax reductions
+    # differ), by 5e-3 in plain bf16 (docs/BENCHMARKS.md)
+    reuse_tolerance: float = 1e-6
+    reuse_on_mismatch: Literal["error", "recompute"] = "error"  # over tolerance: stop, or
+    #                                                 recompute this step (and log it)
 
     def __post_init__(self):
         for name, registry in (("loss", LOSSES), ("advantage", ADVANTAGES)):
@@ -53,7 +64,8 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name}={value!r} is unknown{hint}; valid: one of "
                                  + ", ".join(repr(n) for n in registry))
         for name, choices in (("loss_agg", ("token", "sequence")),
-                              ("tis", ("none", "token", "sequence"))):
+                              ("tis", ("none", "token", "sequence")),
+                              ("reuse_on_mismatch", ("error", "recompute"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}; valid: one of "
                                  + ", ".join(repr(c) for c in choices))
@@ -63,6 +75,7 @@ class GRPOConfig:
             "clip_c": (lambda v: v is None or v > 1, "null or > 1"),
             "kl_coef": (lambda v: v >= 0, ">= 0"),
             "tis_cap": (lambda v: v > 0, "> 0"),
+            "reuse_tolerance": (lambda v: v >= 0, ">= 0 (0: bitwise)"),
         }
         for name, (ok, valid) in ranges.items():
             value = getattr(self, name)
@@ -73,6 +86,13 @@ class GRPOConfig:
         if not isinstance(self.minibatches, int) or self.minibatches < 1:
             raise ValueError(f"GRPOConfig.minibatches={self.minibatches!r} is out of range; "
                              f"valid: an int >= 1")
+        if not isinstance(self.reuse_generation_logprobs, bool):
+            raise ValueError(f"GRPOConfig.reuse_generation_logprobs="
+                             f"{self.reuse_generation_logprobs!r}; valid: true or false")
+        if (not isinstance(self.reuse_check_rows, int) or isinstance(self.reuse_check_rows, bool)
+                or self.reuse_check_rows < 1):
+            raise ValueError(f"GRPOConfig.reuse_check_rows={self.reuse_check_rows!r} is out of "
+                             f"range; valid: an int >= 1 (the check is never skipped)")
         for name in ("logprob_chunk", "micro_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

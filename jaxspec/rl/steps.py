@@ -69,7 +69,8 @@ def _micro(rows: int, micro_batch: int) -> int:
     return micro_batch
 
 
-@functools.partial(jax.jit, static_argnames=("capture", "filtered", "chunk", "micro_batch"))
+@functools.partial(jax.jit, static_argnames=("capture", "filtered", "chunk", "micro_batch",
+                                             "recompute"))
 def score_rollouts(
     policy: Policy,
     ref_params,  # the reference policy's params, or None (no KL)
@@ -84,6 +85,7 @@ def score_rollouts(
     filtered: bool = False,
     chunk: int = 8192,
     micro_batch: int = 0,
+    recompute: bool = True,
 ) -> dict[str, jax.Array]:
     """The logprob stage: pack prompt + rollout into [B, T = P + N] sequences (right-padded,
     positions -1 on padding) and run the policy (and reference) over them, `micro_batch`
@@ -94,7 +96,11 @@ def score_rollouts(
     ref_logprobs, gen_logprobs, mask (t+1 is a rollout token). Draft supervision:
     features [B,T,3H] (captured layers), target_hidden [B,T,H] (the policy's final-normed
     hidden states: its logits are target_hidden @ LM head), response [B,T] (token t is a
-    rollout token)."""
+    rollout token).
+
+    `recompute=False` (grpo.reuse_generation_logprobs, once a check found them exact): the
+    old-policy log-probs are the generator's, no entropy is returned (the training forward
+    logs it), and the policy forward runs only when `capture` needs its features."""
     p = prompts.shape[1]
     n = tokens.shape[1]
     idx = jnp.arange(p + n, dtype=jnp.int32)[None, :]
@@ -110,9 +116,12 @@ def score_rollouts(
 
     def forward(rows):  # one micro-batch of (seq, positions, mask)
         seq, positions, mask = rows
-        hidden, captured, _ = policy.forward(seq, positions, capture=capture, head=False)
-        lp, entropy = _token_logprobs(policy, hidden, seq, sampling, filtered, chunk)
-        out = {"logprobs": jnp.where(mask, lp, 0.0), "entropy": entropy}
+        out = {}
+        if recompute or capture:
+            hidden, captured, _ = policy.forward(seq, positions, capture=capture, head=False)
+        if recompute:
+            lp, entropy = _token_logprobs(policy, hidden, seq, sampling, filtered, chunk)
+            out = {"logprobs": jnp.where(mask, lp, 0.0), "entropy": entropy}
         if ref_params is not None:
             ref = policy.replace(params=ref_params)
             ref_hidden, _, _ = ref.forward(seq, positions, head=False)
@@ -129,6 +138,8 @@ def score_rollouts(
         out = chunked.join_rows(jax.lax.map(forward, parts))
     else:
         out = forward((seq, positions, mask))
+    if not recompute:
+        out["logprobs"] = gen_lp
     return {"tokens": seq, "positions": positions, "mask": mask, "response": response,
             "gen_logprobs": gen_lp, **out}
 
@@ -164,11 +175,13 @@ def policy_update(
     def loss_fn(params, mb, denominator=None):
         current = policy.replace(params=params)
         hidden, _, _ = current.forward(mb["tokens"], mb["positions"], head=False)
-        lp, _ = _token_logprobs(current, hidden, mb["tokens"], sampling, filtered,
-                                grpo_cfg.logprob_chunk)
+        lp, entropy = _token_logprobs(current, hidden, mb["tokens"], sampling, filtered,
+                                      grpo_cfg.logprob_chunk)
+        # without a scoring forward (reused generation log-probs) the training forward's
+        # entropy is logged: at the first minibatch the same params, so the same values
         return grpo_loss(lp, mb["logprobs"], mb.get("ref_logprobs"), mb["advantages"],
                          mb["mask"], grpo_cfg, gen_logprobs=mb["gen_logprobs"],
-                         entropy=mb["entropy"], denominator=denominator)
+                         entropy=mb.get("entropy", entropy), denominator=denominator)
 
     def grad_fn(params, mb):
         if not micro:

@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import Config
+from jaxspec import parallel
+from jaxspec.config import Config, ConfigError
 from jaxspec.config import save as save_config
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary
 from jaxspec.models import Policy
@@ -76,6 +77,7 @@ __all__ = [
     "GRPOTrainer",
     "HFTokenizer",
     "RolloutBatch",
+    "ReuseMismatch",
     "RunPlan",
     "make_optimizer",
     "prepare_run",
@@ -85,6 +87,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger("jaxspec.rl")
+
+class ReuseMismatch(RuntimeError):
+    """grpo.reuse_generation_logprobs found generation log-probs over its tolerance."""
 CONFIG_HISTORY = "config_history.jsonl"  # one line per resume: its step and config changes
 
 
@@ -136,6 +141,11 @@ class GRPOTrainer:
         self.draft = DraftLearner(cfg, plan, self.cluster, self.sampling,
                                   filtered=self.filtered, log=self.log)
         self.trains_draft = cfg.draft.kind == "eagle3" and cfg.draft.online
+        if cfg.grpo.reuse_generation_logprobs and cfg.async_.enabled:
+            raise ConfigError("grpo.reuse_generation_logprobs", True,
+                              "async rollouts come from older params than the old policy",
+                              "false when async.enabled")
+        self._reuse_checked = False  # the first reuse check of a process covers every row
         self.last_batch: RolloutBatch | None = None
         self.last_scored: dict | None = None
         self.warmup_history: dict[str, Any] = {}  # what the warm-up and draft init did
@@ -254,10 +264,12 @@ class GRPOTrainer:
 
         with timer.stage("logprob") as st:
             capture = s.head.capture_layers if self.trains_draft else ()
+            reuse = self._reuse_check(batch) if cfg.grpo.reuse_generation_logprobs else {}
             scored = st.ready(self.cluster.score(
                 s.policy, s.ref_params, (batch.prompts, batch.prompt_lengths, batch.tokens,
                                          batch.lengths, batch.gen_logprobs),
-                sampling=self.sampling, capture=capture, filtered=self.filtered))
+                sampling=self.sampling, capture=capture, filtered=self.filtered,
+                **({"recompute": False} if reuse.get("reuse/reused") else {})))
         before = (s.head, s.draft_opt_state)  # what a stopped (diverged) step goes back to
         with timer.stage("training") as st:
             adv = group_advantages(batch.rewards, cfg.rollout.group_size,
@@ -278,6 +290,10 @@ class GRPOTrainer:
         self.last_batch, self.last_scored = batch, scored
         problem = self._nonfinite(grpo_metrics, draft_metrics)
         m = step_metrics(batch, grpo_metrics, draft_metrics, completed=s.completed + 1)
+        if reuse.get("reuse/reused"):  # old == generation by construction: log the measured
+            m["grpo/logprob_mismatch_max"] = reuse["reuse/mismatch_max"]
+            m["grpo/logprob_mismatch_mean"] = reuse["reuse/mismatch_mean"]
+        m.update(reuse)
         if problem is not None:
             m["nonfinite"] = 1  # the guard kept the old params: nothing was applied
             m.update(timer.summary())
@@ -306,6 +322,42 @@ class GRPOTrainer:
             if warning is not None:
                 self._warn(warning)
         m.update(timer.summary())
+        return m
+
+    def _reuse_check(self, batch: RolloutBatch) -> dict[str, Any]:
+        """grpo.reuse_generation_logprobs: recompute the old-policy log-probs of a sample of
+        rows (all of them at this process's first step; else grpo.reuse_check_rows rows
+        drawn by step) and compare with the generator's. Returns the reuse/ metrics;
+        `reuse/reused` 0 means this step recomputes (reuse_on_mismatch=recompute). Over
+        the tolerance with reuse_on_mismatch=error: raises ReuseMismatch, the batch kept."""
+        g, s = self.cfg.grpo, self.state
+        b = int(batch.lengths.shape[0])
+        sharding = parallel.batch_sharding(self.cluster.train_mesh, 1, self.cluster.rules)
+        shards = b // sharding.shard_shape((b,))[0]  # rows of a check split like the batch's
+        n = b if not self._reuse_checked else min(b, -(-g.reuse_check_rows // shards) * shards)
+        rng = np.random.default_rng([self.cfg.run.seed, int(batch.step)])
+        rows = np.sort(rng.choice(b, n, replace=False)) if n < b else np.arange(b)
+        sub = [np.asarray(x)[rows] for x in (batch.prompts, batch.prompt_lengths, batch.tokens,
+                                               batch.lengths, batch.gen_logprobs)]
+        checked = self.cluster.score(s.policy, None, sub, sampling=self.sampling,
+                                     filtered=self.filtered, micro_batch=0)
+        mask = np.asarray(checked["mask"])
+        diff = np.abs(np.asarray(checked["logprobs"], np.float64)
+                      - np.asarray(checked["gen_logprobs"], np.float64))[mask]
+        worst = float(diff.max()) if diff.size else 0.0
+        m = {"reuse/mismatch_max": worst, "reuse/mismatch_mean": float(diff.mean()) if diff.size
+             else 0.0, "reuse/checked_rows": n, "reuse/reused": int(worst <= g.reuse_tolerance)}
+        self._reuse_checked = True
+        if worst > g.reuse_tolerance and g.reuse_on_mismatch == "error":
+            s.queue.insert(0, batch)
+            raise ReuseMismatch(
+                f"grpo.reuse_generation_logprobs: at step {int(batch.step) + 1} the generation "
+                f"log-probs differ from the training forward's by up to {worst:.3g} on {n} "
+                f"checked rows ({int((diff > g.reuse_tolerance).sum())} of {diff.size} "
+                f"tokens), over grpo.reuse_tolerance={g.reuse_tolerance:g}; they are not exact "
+                f"here. Valid: grpo.reuse_generation_logprobs=false, "
+                f"grpo.reuse_on_mismatch=recompute, a larger grpo.reuse_tolerance, or "
+                f"model.batch_invariant=true (bitwise generation and training forwards)")
         return m
 
     def _warn(self, line: str) -> None:
