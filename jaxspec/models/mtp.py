@@ -54,6 +54,7 @@ class MTPHead:
     config: MTPConfig = dataclasses.field(metadata=dict(static=True))
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
     params: Any
+    buffers: Any = dataclasses.field(default_factory=dict)  # none (placement treats heads alike)
 
     @staticmethod
     def init_for(policy, key: jax.Array) -> "MTPHead":

@@ -20,7 +20,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.rl import chunked
+
+_UNIT_SAMPLING = SamplingConfig(1.0, 0, 1.0)  # the policy's own softmax (the MTP loss's CE)
 
 
 # Query rows per block of the TTT attention: its [B, heads, rows, T] scores are what a block
@@ -251,4 +254,50 @@ def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, tar
     updates, opt_state = optimizer.update(grads, opt_state, head.params)
     params = optax.apply_updates(head.params, updates)
     metrics["draft_grad_norm"] = optax.tree.norm(grads)
+    return dataclasses.replace(head, params=params), opt_state, metrics
+
+
+# ----------------------------------------------------------------------------- MTP
+
+def mtp_loss(head, params, embed_fn, features, tokens, positions, response, target: TargetHead,
+             *, chunk: int = 8192):
+    """DeepSeek-V3's MTP loss (depth 1) on stop-gradient policy features: at position t the
+    head reads h_t (`features`, the policy's last-layer output) and the embedding of token t+1
+    and is scored by cross-entropy on token t+2, where t+2 is a response token. Its logits go
+    through the policy's final LM head (`target.weight`, frozen) in vocabulary chunks.
+    Returns (loss, metrics: mtp_loss, mtp_acc = the head's argmax is token t+2).
+
+    features [B,T,H]; tokens / positions / response [B,T] (score_rollouts' packing; positions
+    < 0 on padding); target: the policy's LM head (its `hidden` is unused)."""
+    b, t = tokens.shape
+    head = dataclasses.replace(head, params=params)
+    features = jax.lax.stop_gradient(features)
+    embeds = jax.lax.stop_gradient(embed_fn(jnp.roll(tokens, -1, axis=1)))
+    out, _ = head.forward(embeds, features, positions, head.init_cache(b, t), fuse=True)
+    normed = head.module.norm(out.astype(head.config.layer.param_dtype))  # [B,T,H]
+    weight = jax.lax.stop_gradient(target.weight)
+    goal = jnp.roll(tokens, -2, axis=1)
+    counts = jnp.roll(response, -2, axis=1) & (jnp.arange(t)[None, :] + 2 < t)
+    lp, _ = chunked.token_logprobs(normed, weight, goal, _UNIT_SAMPLING, vocab_axis=target.vocab_axis,
+                                   filtered=False, chunk=chunk, invariant=target.invariant)
+    top = chunked.argmax(jax.lax.stop_gradient(normed).reshape(b * t, -1), weight, chunk=chunk,
+                         vocab_axis=target.vocab_axis, invariant=target.invariant).reshape(b, t)
+    n = jnp.maximum(jnp.sum(counts), 1)
+    loss = -jnp.sum(jnp.where(counts, lp, 0.0)) / n
+    return loss, {"mtp_loss": loss, "mtp_acc": jnp.sum(counts & (top == goal)) / n}
+
+
+def mtp_train_step(head, opt_state, optimizer, embed_fn, features, tokens, positions, response,
+                   target: TargetHead, *, chunk: int = 8192):
+    """One optax update of the MTP head's params only (its own optimizer and clip); returns
+    (head, opt_state, metrics with draft_loss / draft_grad_norm as the guard reads them)."""
+    def loss_fn(params):
+        return mtp_loss(head, params, embed_fn, features, tokens, positions, response, target,
+                        chunk=chunk)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
+    updates, opt_state = optimizer.update(grads, opt_state, head.params)
+    params = optax.apply_updates(head.params, updates)
+    metrics = {"draft_loss": loss, "draft_acc_0": metrics["mtp_acc"],
+               "draft_grad_norm": optax.tree.norm(grads)}
     return dataclasses.replace(head, params=params), opt_state, metrics

@@ -14,7 +14,8 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
 from jaxspec.rl.draft import DraftLossConfig
 from jaxspec.rl.rollouts import encode_prompts
-from jaxspec.rl.steps import draft_update, make_optimizer
+from jaxspec.models.mtp import MTPHead
+from jaxspec.rl.steps import draft_update, make_optimizer, mtp_update
 from jaxspec.rl.warmup import draft_corpus, init_eagle3_head
 
 __all__ = ["DraftLearner"]
@@ -42,8 +43,20 @@ class DraftLearner:
     def update(self, head, opt_state, policy, scored: dict):
         """One online update from score_rollouts' output (capture on); run it inside
         `cluster.training()`. Returns (head, opt_state, metrics)."""
+        if isinstance(head, MTPHead):
+            return mtp_update(head, opt_state, policy, scored, optimizer=self.optimizer,
+                              chunk=self.cfg.grpo.logprob_chunk)
         return draft_update(head, opt_state, policy, scored, optimizer=self.optimizer,
                             loss_cfg=self.loss_cfg)
+
+    def build_mtp_head(self, policy, *, resuming: bool):
+        """A fresh MTP head for draft.kind mtp (the shapes a checkpoint restores into when
+        resuming); trained online from the first step. Returns (head, optimizer state)."""
+        key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), 1)
+        if resuming:
+            return jax.eval_shape(lambda: MTPHead.init_for(policy, key)), None
+        head = MTPHead.init_for(policy, key)
+        return head, self.init_state(head)
 
     def build_head(self, policy, *, resuming: bool, ref_params=None, history=None):
         """The run's head: loaded from draft.hf_path, the shapes a checkpoint restores into

@@ -155,9 +155,9 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     policy, the device split, and the checkpoint to resume from. Raises one ConfigError."""
     d, r = cfg.draft, cfg.rollout
     changes = _resume_changes(cfg) if cfg.run.resume else {}  # before orbax is touched
-    if d.kind == "mtp":
-        raise ConfigError("draft.kind", "mtp", "the GRPO trainer has no MTP training loss",
-                          "'eagle3', 'draft_model', 'ngram' or 'none'")
+    if d.kind == "mtp" and d.hf_path is not None:
+        raise ConfigError("draft.hf_path", d.hf_path, "MTP heads are not imported from HF "
+                          "checkpoints yet (draft.kind mtp starts from a fresh head)", "null")
     try:  # a named attention kernel this platform cannot run
         resolve_backend(cfg.model.attention_backend)
     except ValueError as e:

@@ -117,6 +117,8 @@ def make_drafter(draft_cfg, tree, head=None, draft_model=None):
     d = draft_cfg
     if d.kind == "eagle3":
         return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree)
+    if d.kind == "mtp":
+        return drafters_lib.MTPDrafter(head, k=d.k, tree=tree)
     if d.kind == "draft_model":
         return drafters_lib.DraftModelDrafter(draft_model, k=d.k)
     if d.kind == "ngram":

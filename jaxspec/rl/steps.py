@@ -14,7 +14,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models import Policy
 from jaxspec.rl import chunked
 from jaxspec.rl.chunked import lm_head, token_logprobs
-from jaxspec.rl.draft import TargetHead, draft_train_step
+from jaxspec.rl.draft import TargetHead, draft_train_step, mtp_train_step
 from jaxspec.rl.grpo import grpo_loss
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "POLICY_INPUTS",
     "draft_update",
     "make_optimizer",
+    "mtp_update",
     "policy_update",
     "sampling_of",
     "score_rollouts",
@@ -264,6 +265,24 @@ def draft_update(head, opt_state, policy: Policy, scored: dict, *, optimizer, lo
     new_head, new_opt_state, metrics = draft_train_step(
         head, opt_state, optimizer, policy.embed, scored["features"], scored["tokens"],
         target, scored["response"], loss_cfg)
+    flags = (jnp.isfinite(metrics["draft_loss"]), jnp.isfinite(metrics["draft_grad_norm"]),
+             _tree_finite(new_head.params))
+    head, opt_state = _keep_if_finite(flags, (new_head, new_opt_state), (head, opt_state))
+    metrics.update({k: f for k, f in zip(FINITE_KEYS, flags, strict=True)})
+    return head, opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer", "chunk"))
+def mtp_update(head, opt_state, policy: Policy, scored: dict, *, optimizer, chunk: int = 8192):
+    """One update of an MTP head (jaxspec.models.mtp) with its own optimizer on the logprob
+    stage's stop-gradient features (capture = the policy's last layer); the policy gives the
+    frozen embedding and LM head. Returns (head, opt_state, metrics), guarded as draft_update."""
+    weight, axis = lm_head(policy)
+    target = TargetHead(scored["target_hidden"], weight, vocab_axis=axis,
+                        invariant=policy.config.batch_invariant)
+    new_head, new_opt_state, metrics = mtp_train_step(
+        head, opt_state, optimizer, policy.embed, scored["features"], scored["tokens"],
+        scored["positions"], scored["response"], target, chunk=chunk)
     flags = (jnp.isfinite(metrics["draft_loss"]), jnp.isfinite(metrics["draft_grad_norm"]),
              _tree_finite(new_head.params))
     head, opt_state = _keep_if_finite(flags, (new_head, new_opt_state), (head, opt_state))

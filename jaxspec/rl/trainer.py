@@ -140,7 +140,7 @@ class GRPOTrainer:
         self.optimizer = make_optimizer(cfg.optim)
         self.draft = DraftLearner(cfg, plan, self.cluster, self.sampling,
                                   filtered=self.filtered, log=self.log)
-        self.trains_draft = cfg.draft.kind == "eagle3" and cfg.draft.online
+        self.trains_draft = cfg.draft.kind in ("eagle3", "mtp") and cfg.draft.online
         if cfg.grpo.reuse_generation_logprobs and cfg.async_.enabled:
             raise ConfigError("grpo.reuse_generation_logprobs", True,
                               "async rollouts come from older params than the old policy",
@@ -169,7 +169,10 @@ class GRPOTrainer:
                                   history=history)
         ref_params = _copy(policy.params) if cfg.grpo.kl_coef > 0 else None
         kind, draft_opt_init = cfg.draft.kind, None
-        if kind != "eagle3":
+        if kind == "mtp":
+            if head is None:
+                head, draft_opt_init = self.draft.build_mtp_head(policy, resuming=resuming)
+        elif kind != "eagle3":
             head = None
         elif head is None:
             head, draft_opt_init = self.draft.build_head(policy, resuming=resuming,
@@ -483,7 +486,8 @@ class GRPOTrainer:
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
                            f"tensors: not exported", step=self.completed)
         try:
-            export_models(self.cfg.run.dir, self.policy, self.head,
+            head = self.head if self.cfg.draft.kind == "eagle3" else None  # MTP: not yet
+            export_models(self.cfg.run.dir, self.policy, head,
                           source=self.cfg.model.hf_path,
                           tokenizer=self.tokenizer if self.cfg.model.hf_path is None else None)
         except OSError as e:
