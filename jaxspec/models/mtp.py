@@ -201,20 +201,15 @@ def save_mtp(head: MTPHead, path, *, policy=None) -> None:
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
-def load_mtp(path, *, dtype: str | None = None, attention_backend: str = "reference") -> MTPHead:
-    """The MTP layer model.layers.{L}.* of a local HF checkpoint (L = num_hidden_layers, the
-    first of num_nextn_predict_layers; DeepSeek-V3 layout, see `save_mtp`), as an MTPHead on
-    the trunk's last layer. The trunk's own tensors, if present, are ignored."""
+def inspect_mtp(path, *, dtype: str | None = None,
+                attention_backend: str = "reference") -> MTPConfig:
+    """The MTPConfig of a local HF checkpoint's MTP layer, from its config.json alone."""
     import json
     import pathlib
 
-    import jax.numpy as jnp
+    from jaxspec.models.hf import HFCheckpointError, config_from_hf
 
-    from jaxspec.models.hf import HFCheckpointError, _open, _tensor_files, config_from_hf
-    from jaxspec.models.transformer import param_path
-
-    path = pathlib.Path(path).expanduser()
-    file = path / "config.json"
+    file = pathlib.Path(path).expanduser() / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: an MTP checkpoint needs config.json")
     hf = json.loads(file.read_text())
@@ -222,11 +217,24 @@ def load_mtp(path, *, dtype: str | None = None, attention_backend: str = "refere
     if not isinstance(n, int) or n < 1:
         raise HFCheckpointError(f"{file}: num_nextn_predict_layers = {n!r}; an MTP checkpoint "
                                 f"needs >= 1 (the checkpoint ships no MTP layer)")
-    trunk = config_from_hf(hf)
-    if dtype is not None or attention_backend != trunk.attention_backend:
-        trunk = trunk.replace(**({"dtype": dtype} if dtype else {}),
-                              attention_backend=attention_backend)
-    cfg = MTPConfig(layer=trunk.replace(num_layers=1), capture_layers=(trunk.num_layers - 1,))
+    trunk = config_from_hf(hf).replace(attention_backend=attention_backend,
+                                       **({"dtype": dtype} if dtype else {}))
+    return MTPConfig(layer=trunk.replace(num_layers=1), capture_layers=(trunk.num_layers - 1,))
+
+
+def load_mtp(path, *, dtype: str | None = None, attention_backend: str = "reference") -> MTPHead:
+    """The MTP layer model.layers.{L}.* of a local HF checkpoint (L = num_hidden_layers, the
+    first of num_nextn_predict_layers; DeepSeek-V3 layout, see `save_mtp`), as an MTPHead on
+    the trunk's last layer. The trunk's own tensors, if present, are ignored."""
+    import pathlib
+
+    import jax.numpy as jnp
+
+    from jaxspec.models.hf import HFCheckpointError, _open, _tensor_files
+    from jaxspec.models.transformer import param_path
+
+    path = pathlib.Path(path).expanduser()
+    cfg = inspect_mtp(path, dtype=dtype, attention_backend=attention_backend)
     table = _mtp_table(cfg)
     where = _tensor_files(path)
     missing = [name for name, *_ in table if name not in where]

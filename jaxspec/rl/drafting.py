@@ -14,7 +14,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
 from jaxspec.rl.draft import DraftLossConfig
 from jaxspec.rl.rollouts import encode_prompts
-from jaxspec.models.mtp import MTPHead
+from jaxspec.models.mtp import MTPHead, load_mtp
 from jaxspec.rl.steps import draft_update, make_optimizer, mtp_update
 from jaxspec.rl.warmup import draft_corpus, init_eagle3_head
 
@@ -50,12 +50,18 @@ class DraftLearner:
                             loss_cfg=self.loss_cfg)
 
     def build_mtp_head(self, policy, *, resuming: bool):
-        """A fresh MTP head for draft.kind mtp (the shapes a checkpoint restores into when
-        resuming); trained online from the first step. Returns (head, optimizer state)."""
+        """The MTP head of draft.kind mtp: loaded from draft.hf_path (DeepSeek-V3 layout), or
+        fresh; the shapes a checkpoint restores into when resuming. Trained online from the
+        first step. Returns (head, optimizer state)."""
         key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), 1)
         if resuming:
             return jax.eval_shape(lambda: MTPHead.init_for(policy, key)), None
-        head = MTPHead.init_for(policy, key)
+        if self.cfg.draft.hf_path is not None:
+            head = load_mtp(self.cfg.draft.hf_path, dtype=self.cfg.model.dtype,
+                            attention_backend=self.cfg.model.attention_backend)
+            head.check_compatible(policy)
+        else:
+            head = MTPHead.init_for(policy, key)
         return head, self.init_state(head)
 
     def build_head(self, policy, *, resuming: bool, ref_params=None, history=None):

@@ -57,6 +57,23 @@ def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
                           "*.safetensors") from None
 
 
+def _inspect_mtp(path: str, model_config: ModelConfig) -> None:
+    """The MTP layer of the HF checkpoint in `path` (config.json) checked against the policy."""
+    from jaxspec.models.mtp import inspect_mtp
+
+    try:
+        layer = inspect_mtp(path).layer
+    except (OSError, ValueError) as e:
+        raise ConfigError("draft.hf_path", path, str(e), "a local HF checkpoint with an MTP "
+                          "layer (num_nextn_predict_layers >= 1)") from None
+    theirs = (layer.vocab_size, layer.hidden_size, layer.num_layers)
+    ours = (model_config.vocab_size, model_config.hidden_size, 1)
+    if theirs != ours:
+        raise ConfigError("draft.hf_path", path, f"its MTP layer (vocabulary, hidden size) "
+                          f"{theirs[:2]} does not match the policy's {ours[:2]}",
+                          "an MTP layer made for this policy")
+
+
 def _inspect_head(path: str, model_config: ModelConfig, dtype: str):
     """The EAGLE-3 head in `path` checked against the policy (config.json, safetensors
     headers, shapes, captured layers; no weights read): its Eagle3Config, or one ConfigError."""
@@ -155,9 +172,6 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     policy, the device split, and the checkpoint to resume from. Raises one ConfigError."""
     d, r = cfg.draft, cfg.rollout
     changes = _resume_changes(cfg) if cfg.run.resume else {}  # before orbax is touched
-    if d.kind == "mtp" and d.hf_path is not None:
-        raise ConfigError("draft.hf_path", d.hf_path, "MTP heads are not imported from HF "
-                          "checkpoints yet (draft.kind mtp starts from a fresh head)", "null")
     try:  # a named attention kernel this platform cannot run
         resolve_backend(cfg.model.attention_backend)
     except ValueError as e:
@@ -222,6 +236,8 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     draft_vocab = vocab  # the drafter's vocabulary (a tree expands top_k of it per node)
     if d.kind == "eagle3":
         draft_vocab = d.draft_vocab_size or vocab
+    if d.kind == "mtp" and d.hf_path is not None:
+        _inspect_mtp(d.hf_path, model_config)
     if d.kind == "eagle3" and d.hf_path is not None:
         head = _inspect_head(d.hf_path, model_config, cfg.model.dtype)
         if d.draft_vocab_size is not None and d.draft_vocab_size != head.draft_vocab_size:

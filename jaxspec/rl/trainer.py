@@ -49,6 +49,7 @@ from jaxspec.config import save as save_config
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.models.mtp import save_mtp
 from jaxspec.rl.build import build_draft_model, build_policy, export_models
 from jaxspec.rl.cluster import Cluster
 from jaxspec.rl.drafting import DraftLearner
@@ -479,6 +480,7 @@ class GRPOTrainer:
     def export(self) -> None:
         """The trained policy to <run.dir>/policy (HF safetensors with the tokenizer files,
         generation_config.json and special ids: `AutoTokenizer` and a server use it as it is)
+        and an MTP head to <run.dir>/mtp (the DeepSeek-V3 layout: `draft.hf_path` reads it back)
         and an EAGLE-3 head to <run.dir>/eagle3 (the vLLM / SGLang layout, the captured layers
         in both servers' fields), for serving or scripts/bench_rollout.py."""
         finite, bad = all_finite([self.policy, self.head])
@@ -486,7 +488,9 @@ class GRPOTrainer:
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
                            f"tensors: not exported", step=self.completed)
         try:
-            head = self.head if self.cfg.draft.kind == "eagle3" else None  # MTP: not yet
+            head = self.head if self.cfg.draft.kind == "eagle3" else None
+            if self.cfg.draft.kind == "mtp":  # the DeepSeek-V3 layout, beside the policy
+                save_mtp(self.head, os.path.join(self.cfg.run.dir, "mtp"), policy=self.policy)
             export_models(self.cfg.run.dir, self.policy, head,
                           source=self.cfg.model.hf_path,
                           tokenizer=self.tokenizer if self.cfg.model.hf_path is None else None)

@@ -126,3 +126,10 @@ def test_mtp_in_the_loop_leaves_the_policy_alone_and_learns(base, tmp_path):
     assert np.mean(loss[-3:]) < 0.6 * loss[0]
     assert np.mean(acc[-4:]) > acc[0] + 0.1
     assert rows[-1]["draft/acc_0"] > 0.4
+    # exported in the DeepSeek-V3 layout, and read back by draft.hf_path
+    mtp.export()
+    again = GRPOTrainer(make_config(tmp_path / "again", "run.steps=1", "draft.kind=mtp",
+                                    f"draft.hf_path={tmp_path / 'mtp' / 'mtp'}"), policy=base)
+    for a, b in zip(jax.tree.leaves(again.head.params), jax.tree.leaves(mtp.head.params),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
