@@ -12,10 +12,13 @@ import pytest
 import torch
 from test_trainer import make_config, warmed_base
 
+from jaxspec.config import ConfigError
 from jaxspec.models import ModelConfig
+from jaxspec.models.hf import save_hf
 from jaxspec.models.transformer import param_path, random_policy
 from jaxspec.rl.chunked import lm_head
 from jaxspec.rl.draft import TargetHead, mtp_loss
+from jaxspec.rl.plan import prepare_run
 from jaxspec.rl.trainer import GRPOTrainer
 
 _spec = importlib.util.spec_from_file_location(
@@ -100,6 +103,13 @@ def test_no_gradient_reaches_the_policy():
 @pytest.fixture(scope="module")
 def base():
     return warmed_base()[0]  # shared with test_trainer.py (built once per session)
+
+
+def test_an_hf_path_without_an_mtp_layer_is_refused_before_compiling(base, tmp_path):
+    save_hf(base, tmp_path / "policy")
+    cfg = make_config(tmp_path / "run", "draft.kind=mtp", f"draft.hf_path={tmp_path / 'policy'}")
+    with pytest.raises(ConfigError, match="draft.hf_path.*num_nextn_predict_layers = 0"):
+        prepare_run(cfg)
 
 
 def test_mtp_in_the_loop_leaves_the_policy_alone_and_learns(base, tmp_path):
