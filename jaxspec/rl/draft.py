@@ -259,45 +259,84 @@ def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, tar
 
 # ----------------------------------------------------------------------------- MTP
 
+def mtp_hidden(head, params, embed_fn, features, tokens, positions, steps: int):
+    """The MTP head unrolled `steps` draft steps over whole sequences, as its chain drafting
+    runs it: step 0 reads (h_t, embedding of token t+1) at position t; step s > 0 reads its
+    own step s-1 output at t with the embedding of token t+1+s at position t+s, and attends
+    to step 0's entries up to t plus the same position's entries of steps 1..s (what the
+    drafter's cache holds s tokens ahead). Returns one pre-norm [B,T,H] per step.
+
+    features [B,T,H] (stop-gradient here); tokens / positions [B,T], positions < 0 padding."""
+    b, t = tokens.shape
+    head = dataclasses.replace(head, params=params)
+    hidden_in = [jax.lax.stop_gradient(features)]
+    idx = jnp.arange(t)
+    out = []
+    for s in range(steps):
+        n = (s + 1) * t
+        embeds = jnp.concatenate([jax.lax.stop_gradient(embed_fn(jnp.roll(tokens, -(1 + j), axis=1)))
+                                  for j in range(s + 1)], axis=1)
+        pos = jnp.concatenate([jnp.where(positions >= 0, positions + j, -1) for j in range(s + 1)],
+                              axis=1)
+        step = jnp.repeat(jnp.arange(s + 1), t)  # [n] the draft step of each entry
+        at = jnp.tile(idx, s + 1)  # [n] its base position
+        mask = (((step[None, :] == 0) & (at[None, :] <= at[:, None]))
+                | ((step[None, :] >= 1) & (step[None, :] <= step[:, None])
+                   & (at[None, :] == at[:, None])))
+        h, _ = head.forward(embeds, jnp.concatenate(hidden_in, axis=1), pos, head.init_cache(b, n),
+                            mask=jnp.broadcast_to(mask, (b, n, n)), fuse=True)
+        out.append(h[:, s * t:])
+        hidden_in.append(out[-1])
+    return out
+
+
 def mtp_loss(head, params, embed_fn, features, tokens, positions, response, target: TargetHead,
-             *, chunk: int = 8192):
-    """DeepSeek-V3's MTP loss (depth 1) on stop-gradient policy features: at position t the
-    head reads h_t (`features`, the policy's last-layer output) and the embedding of token t+1
-    and is scored by cross-entropy on token t+2, where t+2 is a response token. Its logits go
-    through the policy's final LM head (`target.weight`, frozen) in vocabulary chunks.
-    Returns (loss, metrics: mtp_loss, mtp_acc = the head's argmax is token t+2).
+             *, steps: int = 1, decay: float = 0.8, chunk: int = 8192):
+    """DeepSeek-V3's MTP loss on stop-gradient policy features, unrolled as the head drafts
+    (`mtp_hidden`): step s at position t is scored by cross-entropy on token t+2+s where it
+    is a response token, weighted decay**s. Logits go through the policy's final LM head
+    (`target.weight`, frozen) in vocabulary chunks. Returns (loss, metrics: mtp_loss_s,
+    mtp_acc_s = the head's argmax is that token).
 
     features [B,T,H]; tokens / positions / response [B,T] (score_rollouts' packing; positions
     < 0 on padding); target: the policy's LM head (its `hidden` is unused)."""
     b, t = tokens.shape
-    head = dataclasses.replace(head, params=params)
-    features = jax.lax.stop_gradient(features)
-    embeds = jax.lax.stop_gradient(embed_fn(jnp.roll(tokens, -1, axis=1)))
-    out, _ = head.forward(embeds, features, positions, head.init_cache(b, t), fuse=True)
-    normed = head.module.norm(out.astype(head.config.layer.param_dtype))  # [B,T,H]
+    hidden = mtp_hidden(head, params, embed_fn, features, tokens, positions, steps)
+    module = dataclasses.replace(head, params=params).module
     weight = jax.lax.stop_gradient(target.weight)
-    goal = jnp.roll(tokens, -2, axis=1)
-    counts = jnp.roll(response, -2, axis=1) & (jnp.arange(t)[None, :] + 2 < t)
-    lp, _ = chunked.token_logprobs(normed, weight, goal, _UNIT_SAMPLING, vocab_axis=target.vocab_axis,
-                                   filtered=False, chunk=chunk, invariant=target.invariant)
-    top = chunked.argmax(jax.lax.stop_gradient(normed).reshape(b * t, -1), weight, chunk=chunk,
-                         vocab_axis=target.vocab_axis, invariant=target.invariant).reshape(b, t)
-    n = jnp.maximum(jnp.sum(counts), 1)
-    loss = -jnp.sum(jnp.where(counts, lp, 0.0)) / n
-    return loss, {"mtp_loss": loss, "mtp_acc": jnp.sum(counts & (top == goal)) / n}
+    total = jnp.zeros((), jnp.float32)
+    metrics = {}
+    for s, h in enumerate(hidden):
+        normed = module.norm(h.astype(head.config.layer.param_dtype))  # [B,T,H]
+        goal = jnp.roll(tokens, -(2 + s), axis=1)
+        counts = jnp.roll(response, -(2 + s), axis=1) & (jnp.arange(t)[None, :] + 2 + s < t)
+        lp, _ = chunked.token_logprobs(normed, weight, goal, _UNIT_SAMPLING,
+                                       vocab_axis=target.vocab_axis, filtered=False, chunk=chunk,
+                                       invariant=target.invariant)
+        top = chunked.argmax(jax.lax.stop_gradient(normed).reshape(b * t, -1), weight,
+                             chunk=chunk, vocab_axis=target.vocab_axis,
+                             invariant=target.invariant).reshape(b, t)
+        n = jnp.maximum(jnp.sum(counts), 1)
+        loss_s = -jnp.sum(jnp.where(counts, lp, 0.0)) / n
+        metrics[f"mtp_loss_{s}"] = loss_s
+        metrics[f"mtp_acc_{s}"] = jnp.sum(counts & (top == goal)) / n
+        total = total + decay**s * loss_s
+    metrics["mtp_loss"] = total
+    return total, metrics
 
 
 def mtp_train_step(head, opt_state, optimizer, embed_fn, features, tokens, positions, response,
-                   target: TargetHead, *, chunk: int = 8192):
+                   target: TargetHead, *, steps: int = 1, decay: float = 0.8, chunk: int = 8192):
     """One optax update of the MTP head's params only (its own optimizer and clip); returns
-    (head, opt_state, metrics with draft_loss / draft_grad_norm as the guard reads them)."""
+    (head, opt_state, metrics named as the EAGLE-3 update's: draft_loss, draft_loss_s,
+    draft_acc_s, draft_grad_norm)."""
     def loss_fn(params):
         return mtp_loss(head, params, embed_fn, features, tokens, positions, response, target,
-                        chunk=chunk)
+                        steps=steps, decay=decay, chunk=chunk)
 
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
     updates, opt_state = optimizer.update(grads, opt_state, head.params)
     params = optax.apply_updates(head.params, updates)
-    metrics = {"draft_loss": loss, "draft_acc_0": metrics["mtp_acc"],
-               "draft_grad_norm": optax.tree.norm(grads)}
+    metrics = {k.replace("mtp_", "draft_"): v for k, v in metrics.items()}
+    metrics["draft_grad_norm"] = optax.tree.norm(grads)
     return dataclasses.replace(head, params=params), opt_state, metrics

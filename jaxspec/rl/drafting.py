@@ -45,7 +45,7 @@ class DraftLearner:
         `cluster.training()`. Returns (head, opt_state, metrics)."""
         if isinstance(head, MTPHead):
             return mtp_update(head, opt_state, policy, scored, optimizer=self.optimizer,
-                              chunk=self.cfg.grpo.logprob_chunk)
+                              loss_cfg=self.loss_cfg)
         return draft_update(head, opt_state, policy, scored, optimizer=self.optimizer,
                             loss_cfg=self.loss_cfg)
 

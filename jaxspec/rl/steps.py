@@ -272,17 +272,20 @@ def draft_update(head, opt_state, policy: Policy, scored: dict, *, optimizer, lo
     return head, opt_state, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer", "chunk"))
-def mtp_update(head, opt_state, policy: Policy, scored: dict, *, optimizer, chunk: int = 8192):
+@functools.partial(jax.jit, static_argnames=("optimizer", "loss_cfg"))
+def mtp_update(head, opt_state, policy: Policy, scored: dict, *, optimizer, loss_cfg):
     """One update of an MTP head (jaxspec.models.mtp) with its own optimizer on the logprob
-    stage's stop-gradient features (capture = the policy's last layer); the policy gives the
-    frozen embedding and LM head. Returns (head, opt_state, metrics), guarded as draft_update."""
+    stage's stop-gradient features (capture = the policy's last layer), unrolled
+    loss_cfg.steps draft steps (a DraftLossConfig: draft.ttt_steps / ttt_decay); the policy
+    gives the frozen embedding and LM head. Returns (head, opt_state, metrics), guarded as
+    draft_update."""
     weight, axis = lm_head(policy)
     target = TargetHead(scored["target_hidden"], weight, vocab_axis=axis,
                         invariant=policy.config.batch_invariant)
     new_head, new_opt_state, metrics = mtp_train_step(
         head, opt_state, optimizer, policy.embed, scored["features"], scored["tokens"],
-        scored["positions"], scored["response"], target, chunk=chunk)
+        scored["positions"], scored["response"], target, steps=loss_cfg.steps,
+        decay=loss_cfg.decay, chunk=loss_cfg.chunk)
     flags = (jnp.isfinite(metrics["draft_loss"]), jnp.isfinite(metrics["draft_grad_norm"]),
              _tree_finite(new_head.params))
     head, opt_state = _keep_if_finite(flags, (new_head, new_opt_state), (head, opt_state))

@@ -17,7 +17,7 @@ from jaxspec.models import ModelConfig
 from jaxspec.models.hf import save_hf
 from jaxspec.models.transformer import param_path, random_policy
 from jaxspec.rl.chunked import lm_head
-from jaxspec.rl.draft import TargetHead, mtp_loss
+from jaxspec.rl.draft import TargetHead, mtp_hidden, mtp_loss
 from jaxspec.rl.plan import prepare_run
 from jaxspec.rl.trainer import GRPOTrainer
 
@@ -73,10 +73,35 @@ def test_mtp_loss_and_gradient_match_a_torch_reference(chunk):
     want.backward()
     assert len(terms) == 8 + 5 + 4
     assert float(got) == pytest.approx(float(want.detach()), rel=1e-5)
-    assert float(metrics["mtp_acc"]) == pytest.approx(hits / len(terms))
+    assert float(metrics["mtp_acc_0"]) == pytest.approx(hits / len(terms))
     g = {param_path(p)[-1]: np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(grads)[0]}
     want_g = torch_mtp.w["eh_proj"].grad.numpy().T
     np.testing.assert_allclose(g["eh_proj"], want_g, atol=1e-5 * np.abs(want_g).max(), rtol=0)
+
+
+def test_unrolled_steps_are_what_the_drafter_computes():
+    """Step s of the unrolled loss at position t equals the head run the way MTPDrafter
+    drafts: a cache of step-0 entries up to t, then s entries fed one at a time, each with
+    the previous output and the next token, at positions t+1 .. t+s."""
+    policy = random_policy(ModelConfig.tiny("qwen3"), seed=3)
+    head = ref._random_head(policy, seed=4)
+    tokens, positions, _, features = _batch(policy)
+    steps = 3
+    unrolled = mtp_hidden(head, head.params, policy.embed, jnp.asarray(features),
+                          jnp.asarray(tokens), jnp.asarray(positions), steps)
+    for row, t in ((0, 0), (0, 4), (1, 3), (2, 2)):
+        prefix = slice(0, t + 1)
+        cache = head.init_cache(1, 16)
+        emb = policy.embed(tokens[row:row + 1, 1:t + 2])
+        out, cache = head.forward(emb, features[row:row + 1, prefix],
+                                  positions[row:row + 1, prefix], cache, fuse=True)
+        hidden = out[:, -1:]
+        np.testing.assert_allclose(hidden[0, 0], unrolled[0][row, t], atol=1e-5)
+        for s in range(1, steps):
+            emb = policy.embed(tokens[row:row + 1, t + 1 + s:t + 2 + s])
+            hidden, cache = head.forward(emb, hidden, jnp.array([[t + s]], jnp.int32), cache,
+                                         fuse=False)
+            np.testing.assert_allclose(hidden[0, 0], unrolled[s][row, t], atol=1e-5)
 
 
 def test_no_gradient_reaches_the_policy():
@@ -94,7 +119,7 @@ def test_no_gradient_reaches_the_policy():
         weight, axis = lm_head(p)
         return mtp_loss(head, head_params, p.embed, captured[last], jnp.asarray(tokens),
                         jnp.asarray(positions), jnp.asarray(response),
-                        TargetHead(hidden, weight, vocab_axis=axis))[0]
+                        TargetHead(hidden, weight, vocab_axis=axis), steps=2)[0]
     to_policy, to_head = jax.grad(loss, argnums=(0, 1))(policy.params, head.params)
     assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(to_policy))
     assert sum(float(jnp.abs(x).sum()) for x in jax.tree.leaves(to_head)) > 1e-3
