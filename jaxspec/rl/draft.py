@@ -290,7 +290,8 @@ def mtp_hidden(head, params, embed_fn, features, tokens, positions, steps: int):
     return out
 
 
-def mtp_loss(head, params, embed_fn, features, tokens, positions, response, target: TargetHead,
+def mtp_loss(head, params, embed_fn, features, tokens, positions, response,
+             target: TargetHead,
              *, steps: int = 1, decay: float = 0.8, chunk: int = 8192):
     """DeepSeek-V3's MTP loss on stop-gradient policy features, unrolled as the head drafts
     (`mtp_hidden`): step s at position t is scored by cross-entropy on token t+2+s where it
