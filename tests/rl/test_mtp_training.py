@@ -168,3 +168,14 @@ def test_mtp_in_the_loop_leaves_the_policy_alone_and_learns(base, tmp_path):
     for a, b in zip(jax.tree.leaves(again.head.params), jax.tree.leaves(mtp.head.params),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_resumed_mtp_run_restores_the_head_and_its_optimizer(base, tmp_path):
+    first = GRPOTrainer(make_config(tmp_path, "run.steps=2", "draft.kind=mtp"), policy=base)
+    first.run()
+    resumed = GRPOTrainer(make_config(tmp_path, "run.steps=3", "draft.kind=mtp",
+                                      "run.resume=true"), policy=base)
+    assert resumed.completed == 2
+    for a, b in zip(jax.tree.leaves((first.head.params, first.draft_opt_state)),
+                    jax.tree.leaves((resumed.head.params, resumed.draft_opt_state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
