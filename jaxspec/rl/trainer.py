@@ -88,10 +88,11 @@ __all__ = [
 ]
 
 _log = logging.getLogger("jaxspec.rl")
+CONFIG_HISTORY = "config_history.jsonl"  # one line per resume: its step and config changes
+
 
 class ReuseMismatch(RuntimeError):
     """grpo.reuse_generation_logprobs found generation log-probs over its tolerance."""
-CONFIG_HISTORY = "config_history.jsonl"  # one line per resume: its step and config changes
 
 
 def _copy(tree):
