@@ -224,8 +224,10 @@ class RolloutWorker:
                                                         prompts=prompts, lengths=lengths))
         with timer.stage("generation") as s:
             out = s.ready(self.generate(policy, drafter, state.key, step, prompts, lengths))
-        # the history store learns this step's rollouts (its next use is a later step)
-        state.history = self.remember(state.history, prompts, lengths, out.tokens, out.lengths)
+        if state.history is not None:  # the store learns this step's rollouts (own stage)
+            with timer.stage("history"):
+                state.history = self.remember(state.history, prompts, lengths, out.tokens,
+                                              out.lengths)
         plain_time, identical = math.nan, math.nan
         if compare and _speculates(drafter):
             plain = self.generate(policy, drafters_lib.NoDrafter(), state.key, step, prompts, lengths)
