@@ -134,6 +134,8 @@ def main(argv=None):
                     "time_s": float(statistics.median(times[name])),
                     "equals_plain": same,
                 }
+            src = {k: int(v) for k, v in results["hybrid"].draft_stats.items()}
+            row["hybrid"]["accepted_by_source"] = src  # drafts: history only, head only, both
             row["plain_time_s"] = float(statistics.median(times["plain"]))
             row["history_rollouts"] = store.size()
             out.append(row)
@@ -151,14 +153,18 @@ def main(argv=None):
     summary = {}
     for epoch in range(args.epochs):
         rows_e = [r for r in out if r["epoch"] == epoch]
+        src = {k: sum(r["hybrid"]["accepted_by_source"][k] for r in rows_e)
+               for k in ("history_only", "head_only", "both")}
         summary[epoch] = {x: {"acceptance_length": float(np.mean([r[x]["acceptance_length"]
                                                                   for r in rows_e])),
                               "speedup": float(statistics.median([r[x]["speedup"]
                                                                   for r in rows_e]))}
                           for x in NAMES}
+        summary[epoch]["hybrid"]["accepted_by_source"] = src
         print(f"epoch {epoch}: " + ", ".join(
             f"{x} tau {summary[epoch][x]['acceptance_length']:.2f} "
-            f"{summary[epoch][x]['speedup']:.2f}x" for x in NAMES))
+            f"{summary[epoch][x]['speedup']:.2f}x" for x in NAMES)
+            + f"; hybrid accepted drafts by source {src}")
     with open(args.json, "w") as fh:
         json.dump({"args": vars(args), "machine": platform.platform(),
                    "cpus": jax.local_device_count(), "steps": out, "epochs": summary}, fh,

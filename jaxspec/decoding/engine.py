@@ -87,6 +87,9 @@ class Rollouts:
     lengths: jax.Array  # [batch] int32: generated tokens per row (stop token included)
     logprobs: jax.Array  # [batch, max_new_tokens] float32 log p(token) under the processed policy
     stats: RolloutStats
+    # the drafter's own counters, from its optional `draft_stats(state)` ({} without one),
+    # e.g. HybridDrafter's accepted drafts by source
+    draft_stats: dict = dataclasses.field(default_factory=dict)
 
 
 def generate(
@@ -305,4 +308,6 @@ def _generate_jit(
     valid = jnp.arange(max_new_tokens)[None, :] < n_gen[:, None]
     out_tokens = jnp.where(valid, jnp.take_along_axis(final.buffer, gen_idx, axis=1), pad_id)
     out_logp = jnp.where(valid, jnp.take_along_axis(final.logprobs, gen_idx, axis=1), 0.0)
-    return Rollouts(out_tokens, n_gen, out_logp, final.stats)
+    summary = getattr(drafter, "draft_stats", None)
+    draft_stats = summary(final.draft_state) if summary is not None else {}
+    return Rollouts(out_tokens, n_gen, out_logp, final.stats, draft_stats)

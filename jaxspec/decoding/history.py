@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ from jaxspec.decoding.tree import Tree
 __all__ = ["HistoryDrafter", "HistoryStore", "HybridDrafter", "prompt_key", "sibling_table"]
 
 _NEG = -1e30
+HISTORY, HEAD = 1, 2  # a hybrid tree node's source bits
 
 
 def prompt_key(tokens) -> int:  # tokens: [P] int prompt ids (no padding)
@@ -230,16 +232,19 @@ def _trie(conts, valid):
     return cat(toks), cat(pars), cat(deps), cat(scores), cat(present)
 
 
-def _select(tokens, parents, depths, scores, present, budget: int, max_depth: int) -> Tree:
+def _select(tokens, parents, depths, scores, present, budget: int, max_depth: int,
+            extra=None) -> Tree:
     """The best `budget` present pool nodes as a Tree (pool order is topological and a
     parent scores at least its child, so ancestors are kept; a depth penalty breaks ties).
-    Slots left over hold absent nodes (token -1)."""
+    Slots left over hold absent nodes (token -1). With `extra` ([B, pool] per-node values)
+    -> (Tree, extra of the kept nodes [B, budget], 0 at absent ones)."""
     batch, size = tokens.shape
     if size < budget:  # pad the pool with absent nodes
         extra = budget - size
         pad = lambda x, v: jnp.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
         tokens, parents, depths = pad(tokens, -1), pad(parents, -1), pad(depths, 1)
         scores, present = pad(scores, 0.0), pad(present, False)
+        extra = None if extra is None else pad(extra, 0)
         size = budget
     rank = jnp.where(present, scores - 1e-6 * depths, _NEG)
     top, keep = jax.lax.top_k(rank, budget)
@@ -250,8 +255,11 @@ def _select(tokens, parents, depths, scores, present, budget: int, max_depth: in
         jnp.arange(budget, dtype=jnp.int32)[None, :])
     par = parents[b, keep]
     par = jnp.where((par >= 0) & kept, slot_of[b, jnp.maximum(par, 0)], -1)
-    return Tree(tokens=jnp.where(kept, tokens[b, keep], -1), parents=par,
+    tree = Tree(tokens=jnp.where(kept, tokens[b, keep], -1), parents=par,
                 depths=jnp.where(kept, depths[b, keep], 1), max_depth=max_depth)
+    if extra is None:
+        return tree
+    return tree, jnp.where(kept, extra[b, keep], 0)
 
 
 def _check_int(owner: str, name: str, value, low: int) -> None:
@@ -351,7 +359,8 @@ def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
 def merge_chain(pool, chain_tokens, chain_scores):
     """A history pool (from `_trie`) with a chain appended: a chain node whose path is
     already a present pool node becomes that node (score: the larger of the two).
-    chain_tokens, chain_scores: [B, c]. -> the merged pool, same layout, size + c."""
+    chain_tokens, chain_scores: [B, c]. -> (the merged pool, same layout, size + c; each
+    node's source [B, size + c] int32: HISTORY, HEAD or HISTORY | HEAD)."""
     tokens, parents, depths, scores, present = pool
     batch, size = tokens.shape
     c = chain_tokens.shape[1]
@@ -359,6 +368,7 @@ def merge_chain(pool, chain_tokens, chain_scores):
     # path_eq[b, p]: pool node p's path equals the chain's first depth(p) tokens
     path_eq = jnp.zeros((batch, size), bool)
     new_tok, new_par, new_dep, new_score, new_present = [], [], [], [], []
+    source = jnp.full((batch, size), HISTORY, jnp.int32)
     prev = jnp.full((batch,), -1, jnp.int32)  # pool index of the chain's previous node
     for j in range(c):
         parent_ok = jnp.where(parents >= 0, path_eq[b, jnp.maximum(parents, 0)], True)
@@ -367,6 +377,8 @@ def merge_chain(pool, chain_tokens, chain_scores):
         dup = jnp.any(at_j, axis=1)
         twin = jnp.argmax(at_j, axis=1).astype(jnp.int32)
         scores = scores.at[jnp.arange(batch), twin].max(jnp.where(dup, chain_scores[:, j], _NEG))
+        source = source.at[jnp.arange(batch), twin].set(
+            jnp.where(dup, HISTORY | HEAD, source[jnp.arange(batch), twin]))
         new_tok.append(chain_tokens[:, j])
         new_par.append(prev)
         new_dep.append(jnp.full((batch,), j + 1, jnp.int32))
@@ -375,8 +387,19 @@ def merge_chain(pool, chain_tokens, chain_scores):
         prev = jnp.where(dup, twin, size + j)
     st = lambda xs: jnp.stack(xs, 1)  # noqa: E731
     cat = lambda a, x: jnp.concatenate([a, st(x)], axis=1)  # noqa: E731
-    return (cat(tokens, new_tok), cat(parents, new_par), cat(depths, new_dep),
+    pool = (cat(tokens, new_tok), cat(parents, new_par), cat(depths, new_dep),
             cat(scores, new_score), cat(present, new_present))
+    return pool, jnp.concatenate([source, jnp.full((batch, c), HEAD, jnp.int32)], axis=1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridState:
+    head: Any  # the EAGLE-3 chain drafter's state
+    tokens: jax.Array  # [B, N] int32 the last proposed tree (-1: none yet / absent)
+    parents: jax.Array  # [B, N] int32
+    source: jax.Array  # [B, N] int32 source bits of each node (HISTORY, HEAD)
+    accepted: jax.Array  # [3] int32 accepted drafts from history only, head only, both
 
 
 @jax.tree_util.register_dataclass
@@ -410,13 +433,37 @@ class HybridDrafter:
 
     def init_state(self, policy, batch, max_len):
         self.history.init_state(policy, batch, max_len)
-        return self.head.init_state(policy, batch, max_len)
+        none = jnp.full((batch, self.budget), -1, jnp.int32)
+        return HybridState(self.head.init_state(policy, batch, max_len), none, none,
+                           jnp.zeros_like(none), jnp.zeros((3,), jnp.int32))
 
-    def observe(self, state, policy, obs: Observation):
-        return self.head.observe(state, policy, obs)
+    def observe(self, state: HybridState, policy, obs: Observation):
+        # Which proposed nodes the policy accepted: entries 1.. of the observation follow the
+        # root along the accepted path (the prompt's observation matches no tree: tokens -1).
+        current = jnp.full(obs.fed_tokens.shape[:1], -1, jnp.int32)
+        accepted = state.accepted
+        for j in range(1, min(obs.fed_tokens.shape[1], self.max_depth + 1)):
+            child = (state.parents == current[:, None]) & (state.tokens >= 0) \
+                & (state.tokens == obs.fed_tokens[:, j, None]) & (obs.positions[:, j, None] >= 0)
+            hit = jnp.any(child, axis=1)
+            node = jnp.argmax(child, axis=1).astype(jnp.int32)
+            src = jnp.take_along_axis(state.source, node[:, None], axis=1)[:, 0]
+            accepted = accepted + jnp.stack([jnp.sum(hit & (src == s)) for s in
+                                             (HISTORY, HEAD, HISTORY | HEAD)]).astype(jnp.int32)
+            current = jnp.where(hit, node, -2)
+        head = self.head.observe(state.head, policy, obs)
+        return dataclasses.replace(state, head=head, accepted=accepted)
 
-    def propose(self, state, policy, ctx: DraftContext):
+    def propose(self, state: HybridState, policy, ctx: DraftContext):
         pool, _ = self.history.pool(ctx)
-        chain, logp = _head_chain(self.head, state, policy, ctx)
-        merged = merge_chain(pool, chain, jnp.exp(logp))
-        return _select(*merged, self.budget, self.max_depth), None, state
+        chain, logp = _head_chain(self.head, state.head, policy, ctx)
+        merged, source = merge_chain(pool, chain, jnp.exp(logp))
+        tree, source = _select(*merged, self.budget, self.max_depth, extra=source)
+        state = dataclasses.replace(state, tokens=tree.tokens, parents=tree.parents,
+                                    source=source)
+        return tree, None, state
+
+    def draft_stats(self, state: HybridState) -> dict:
+        """Accepted drafts by source: {'history_only', 'head_only', 'both'} counts."""
+        a = state.accepted
+        return {"history_only": a[0], "head_only": a[1], "both": a[2]}

@@ -45,8 +45,8 @@ import numpy as np
 
 from jaxspec.config import Config
 from jaxspec.config import save as save_config
-from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary
 from jaxspec.decoding.history import HistoryStore
+from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.rl.build import build_draft_model, build_policy, export_models

@@ -31,7 +31,10 @@ from jaxspec.decoding.history import (
     HistoryDrafter,
     HistoryStore,
     HybridDrafter,
+    HEAD,
+    HISTORY,
     _select,
+    _trie,
     lookup,
     merge_chain,
     prompt_key,
@@ -233,6 +236,26 @@ def test_speculative_equals_plain(policy, history_store, kind, temperature):
     assert int(spec.stats.target_forwards) <= int(plain.stats.target_forwards)
     if temperature == 0.0:  # identical greedy siblings: the group drafts for itself
         assert spec.stats.acceptance_length > 2.0
+    if kind == "hybrid":  # accepted drafts by source: every accepted draft counted once
+        by_source = sum(int(v) for v in spec.draft_stats.values())
+        emitted = int(np.sum(spec.stats.accepted_at))  # excludes drafts cut at the budget
+        assert emitted <= by_source <= emitted + len(PROMPTS) * drafter.max_depth
+        assert set(spec.draft_stats) == {"history_only", "head_only", "both"}
+
+
+def test_merge_chain_dedups_and_tracks_sources():
+    """Matches continuing [1, 2], [1, 2], [1, 3] and a head chain [1, 4]: node 1 is kept
+    once, with both sources."""
+    conts = jnp.asarray([[[1, 2], [1, 2], [1, 3]]], jnp.int32)
+    pool = _trie(conts, jnp.ones(conts.shape, bool))
+    merged, source = merge_chain(pool, jnp.asarray([[1, 4]]), jnp.asarray([[0.9, 0.5]]))
+    tree, src = _select(*merged, 4, 2, extra=source)
+    got = {}
+    for i, (t, p) in enumerate(zip(np.asarray(tree.tokens[0]), np.asarray(tree.parents[0]))):
+        prefix = () if p < 0 else got[int(p)][0]
+        got[i] = (prefix + (int(t),), int(src[0, i]))
+    assert sorted(got.values()) == [((1,), HISTORY | HEAD), ((1, 2), HISTORY), ((1, 3), HISTORY),
+                                    ((1, 4), HEAD)]
 
 
 # --------------------------------------------------------------------------- the joint law
@@ -252,7 +275,8 @@ def _law_trees(kind, batch=64):
     rng = np.random.default_rng(4)
     chain = jnp.asarray(rng.integers(0, VOCAB, (batch, 3)), jnp.int32)
     scores = jnp.asarray(np.cumprod(rng.uniform(0.2, 1.0, (batch, 3)), axis=1), jnp.float32)
-    return _select(*merge_chain(pool, chain, scores), 7, 3)
+    merged, _ = merge_chain(pool, chain, scores)
+    return _select(*merged, 7, 3)
 
 
 @functools.partial(jax.jit, static_argnames=("method", "n"))
