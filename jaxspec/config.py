@@ -465,10 +465,11 @@ class HistorySpec(_Section):
     """Group-aware drafting (`HistoryDrafter`, kinds history and hybrid): the continuations of
     the longest matched suffix (min_n <= n <= max_n) in the group's in-flight rollouts and the
     prompt's stored earlier rollouts; a tree of `budget` nodes (hybrid: shared with the
-    EAGLE-3 chain), depth draft.k. The store keeps `per_prompt` rollouts for each of `prompts`
+    EAGLE-3 chain of draft.k), `depth` deep (null: draft.k). The store keeps `per_prompt` rollouts for each of `prompts`
     prompts (least recently written reused first) and is checkpointed with the run."""
 
     budget: int = _library_default("HistoryDrafter", "budget")  # tree nodes per verify
+    depth: Optional[int] = _field(None, **_ge(1))  # history draft depth; null: draft.k
     min_n: int = _library_default("HistoryDrafter", "min_n")
     max_n: int = _library_default("HistoryDrafter", "max_n")
     max_matches: int = _library_default("HistoryDrafter", "max_matches")  # merged per row
@@ -476,8 +477,8 @@ class HistorySpec(_Section):
     per_prompt: int = _field(4, **_ge(1))  # stored rollouts per prompt (a ring)
 
     def drafter_settings(self, k: int) -> dict:
-        """The HistoryDrafter keywords of these fields with draft depth k."""
-        return dict(k=k, budget=self.budget, min_n=self.min_n, max_n=self.max_n,
+        """The HistoryDrafter keywords of these fields (depth: `depth`, else k)."""
+        return dict(k=self.depth or k, budget=self.budget, min_n=self.min_n, max_n=self.max_n,
                     max_matches=self.max_matches)
 
     def _validate(self):
@@ -513,9 +514,12 @@ class DraftSpec(_Section):
                                  if self.kind in ("history", "hybrid") else ""),
                               "null, or kind eagle3 / mtp / draft_model")
         if self.kind in ("history", "hybrid"):  # the budget must hold a chain of k
+            deepest = self.history.depth or self.k  # hybrid: the head's chain too
+            deepest = max(deepest, self.k) if self.kind == "hybrid" else deepest
             try:
                 self.history._library_check(lambda: _lib("HistoryDrafter")(
-                    store=None, siblings=None, slots=None, **self.history.drafter_settings(self.k)))
+                    store=None, siblings=None, slots=None,
+                    **dict(self.history.drafter_settings(self.k), k=deepest)))
             except ConfigError as e:
                 raise e.under("history") from None
         if self.kind == "draft_model" and self.model is None and self.hf_path is None:
@@ -523,8 +527,14 @@ class DraftSpec(_Section):
                               "a model spec (draft.model.*) or draft.hf_path")
         if self.kind != "none":  # a verify step accepts at most depth + 1 tokens
             most = (self.tree.depth if self.tree is not None else self.k) + 1
+            what = "draft.tree.depth" if self.tree is not None else "draft.k"
+            if self.kind == "history":
+                most = self.history.drafter_settings(self.k)["k"] + 1
+                what = "draft.history.depth (or draft.k)"
+            elif self.kind == "hybrid":
+                most = max(self.k, self.history.depth or self.k) + 1
+                what = "the deeper of draft.k and draft.history.depth"
             if self.collapse_threshold > most:
-                what = "draft.tree.depth" if self.tree is not None else "draft.k"
                 raise ConfigError("collapse_threshold", self.collapse_threshold,
                                   f"above the longest possible acceptance ({what} + 1 = {most}),"
                                   f" so the alarm would never clear", f"a number in [1, {most}]")

@@ -51,6 +51,8 @@ def _parse(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=88)
     p.add_argument("--k", type=int, default=3, help="draft length of every drafter")
+    p.add_argument("--history-k", type=int, default=None,
+                   help="draft depth of the history trie (default: --k)")
     p.add_argument("--history-budget", type=int, default=4, help="history tree nodes")
     p.add_argument("--hybrid-budget", type=int, default=5, help="hybrid tree nodes")
     p.add_argument("--per-prompt", type=int, default=4, help="stored rollouts per prompt")
@@ -76,7 +78,7 @@ def main(argv=None):
     sampling = SamplingConfig(temperature=args.temperature)
     key = jax.random.key(args.seed)
     stops = tuple(tok.eos_ids)
-    settings = dict(k=args.k, min_n=1, max_n=4, max_matches=8)
+    settings = dict(k=args.history_k or args.k, min_n=1, max_n=4, max_matches=8)
 
     def drafters(batch_prompts):
         keys = [prompt_key(p) for p in batch_prompts]

@@ -92,6 +92,7 @@ _STATE_RULES: dict[str, Callable[[Any, Any], bool]] = {
     "draft.model": _changed,
     "draft.history.prompts": _changed,  # the HistoryStore's shape
     "draft.history.per_prompt": _changed,
+    "draft.history.depth": _changed,  # the queue's per-depth counters (async)
     "rollout.prompts_per_step": _changed,
     "rollout.group_size": _changed,
     "rollout.max_prompt_len": _changed,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_resume import Killed, assert_same_tree
 
-from jaxspec.config import load_config
+from jaxspec.config import ConfigError, load_config
 from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
@@ -86,3 +86,30 @@ def test_make_drafter_for_the_history_kinds():
         history = drafter if kind == "history" else drafter.history
         np.testing.assert_array_equal(history.siblings, [[0, 1], [0, 1], [2, 3], [2, 3]])
         np.testing.assert_array_equal(history.slots, [-1, -1, 0, 0])
+
+
+@pytest.mark.parametrize("overrides,key,message", [
+    (["draft.kind=history", "draft.history.budget=2"], "draft.history.budget", "must be >= k=3"),
+    (["draft.kind=hybrid", "draft.history.depth=6", "draft.history.budget=5"],
+     "draft.history.budget", "must be >= k=6"),
+    (["draft.kind=history", "draft.history.min_n=3", "draft.history.max_n=2"],
+     "draft.history.max_n", "must be an int >= 3"),
+    (["draft.kind=hybrid", "draft.tree={top_k: 2, depth: 2, budget: 3}"], "draft.tree",
+     "does not take draft.tree"),
+    (["draft.kind=history", "draft.history.depth=2", "draft.collapse_threshold=3.5"],
+     "draft.collapse_threshold", "in [1, 3]"),
+    (["draft.history.prompts=0"], "draft.history.prompts", ">= 1"),
+])
+def test_config_errors(overrides, key, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["draft.k=3", *overrides])
+    assert e.value.key == key and message in str(e.value)
+
+
+def test_history_depth_apart_from_the_head_chain():
+    cfg = load_config(TINY, ["draft.kind=hybrid", "draft.k=3", "draft.history.depth=6",
+                             "draft.history.budget=7"])
+    policy = Policy.init(ModelConfig.tiny("qwen3", num_layers=2), jax.random.key(0))
+    head = Eagle3Head.init_for(policy, 32, jax.random.key(1))
+    drafter = make_drafter(cfg.draft, None, head, groups=[0, 0])
+    assert (drafter.head.k, drafter.history.k, drafter.max_depth, drafter.num_nodes) == (3, 6, 6, 7)
