@@ -277,10 +277,12 @@ def _generate_jit(
         kept = jnp.where((offs < (num_accepted + 1)[:, None]) & active[:, None], path, -1)
         cache = compact(cache, kept, num_fed=num_nodes + 1, fed_mask=active)
         kept_idx = jnp.maximum(kept, 0)
+        # The drafter observes what was emitted: entries past a stop token or the budget
+        # (the row is done) are padding, so its counters match `accepted_at`.
         draft_state = drafter.observe(draft_state, policy, Observation(
             fed_tokens=jnp.take_along_axis(fed, kept_idx, axis=1),
             next_tokens=emitted,
-            positions=jnp.where(kept >= 0, root_pos[:, None] + offs, -1),
+            positions=jnp.where((kept >= 0) & (offs < n_emit[:, None]), root_pos[:, None] + offs, -1),
             captured={
                 layer: jnp.take_along_axis(h, kept_idx[..., None], axis=1)
                 for layer, h in captured.items()

@@ -157,6 +157,9 @@ class RolloutWorker:
         r = cfg.rollout
         self.batch_size = r.prompts_per_step * r.group_size
         self._compiled = False
+        # {step: the drafter's Rollouts.draft_stats} until the trainer logs them (hybrid:
+        # accepted drafts by source); host ints, not checkpointed
+        self.draft_stats: dict[int, dict[str, int]] = {}
 
     def sync_weights(self, policy, head=None, draft_model=None, *, history=None, prompts=None,
                      lengths=None):
@@ -224,6 +227,8 @@ class RolloutWorker:
                                                         prompts=prompts, lengths=lengths))
         with timer.stage("generation") as s:
             out = s.ready(self.generate(policy, drafter, state.key, step, prompts, lengths))
+        if out.draft_stats:
+            self.draft_stats[step] = {k: int(v) for k, v in out.draft_stats.items()}
         if state.history is not None:  # the store learns this step's rollouts (own stage)
             with timer.stage("history"):
                 state.history = self.remember(state.history, prompts, lengths, out.tokens,

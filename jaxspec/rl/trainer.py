@@ -288,6 +288,8 @@ class GRPOTrainer:
         if s.history is not None:  # the history index's size (stored rollouts, tokens)
             m["history/rollouts"] = s.history.size()
             m["history/tokens"] = s.history.stored_tokens()
+        for k, v in self.rollouts.draft_stats.pop(done, {}).items():  # hybrid: by source
+            m[f"spec/accepted_{k}"] = v
         if problem is not None:
             m["nonfinite"] = 1  # the guard kept the old params: nothing was applied
             m.update(timer.summary())

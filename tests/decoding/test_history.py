@@ -236,10 +236,10 @@ def test_speculative_equals_plain(policy, history_store, kind, temperature):
     assert int(spec.stats.target_forwards) <= int(plain.stats.target_forwards)
     if temperature == 0.0:  # identical greedy siblings: the group drafts for itself
         assert spec.stats.acceptance_length > 2.0
-    if kind == "hybrid":  # accepted drafts by source: every accepted draft counted once
+    if kind == "hybrid":  # accepted drafts by source: every emitted draft counted once
         by_source = sum(int(v) for v in spec.draft_stats.values())
-        emitted = int(np.sum(spec.stats.accepted_at))  # excludes drafts cut at the budget
-        assert emitted <= by_source <= emitted + len(PROMPTS) * drafter.max_depth
+        assert by_source == int(np.sum(spec.stats.accepted_at))
+        assert by_source > 0 or temperature > 0
         assert set(spec.draft_stats) == {"history_only", "head_only", "both"}
 
 
