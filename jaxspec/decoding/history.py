@@ -321,6 +321,13 @@ class HistoryDrafter(_ModelFree):
     max_depth = property(lambda self: self.k)
     supports_rejection = False
 
+    def check_compatible(self, policy) -> None:
+        vocab = policy.config.vocab_size
+        top = int(np.max(np.asarray(self.store.tokens)))
+        if top >= vocab:
+            raise ValueError(f"the history store holds token id {top}; the policy's vocabulary "
+                             f"has {vocab} ids (store rollouts of this policy's tokenizer)")
+
     def init_state(self, policy, batch, max_len):
         if batch != self.siblings.shape[0]:
             raise ValueError(f"HistoryDrafter was built for {self.siblings.shape[0]} rows; "
@@ -429,6 +436,7 @@ class HybridDrafter:
     forwards_per_observe = property(lambda self: self.head.forwards_per_observe)
 
     def check_compatible(self, policy) -> None:
+        self.history.check_compatible(policy)
         self.head.check_compatible(policy)
 
     def init_state(self, policy, batch, max_len):

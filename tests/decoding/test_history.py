@@ -258,6 +258,14 @@ def test_merge_chain_dedups_and_tracks_sources():
                                     ((1, 4), HEAD)]
 
 
+def test_store_of_another_vocabulary_is_refused(policy):
+    vocab = policy.config.vocab_size
+    store = HistoryStore.empty(1, 1, 4).add([1], [[3, vocab, 4, 5]], [4])
+    drafter = HistoryDrafter.for_batch([0], store=store, prompt_keys=[1])
+    with pytest.raises(ValueError, match=f"token id {vocab}; the policy's vocabulary"):
+        generate(policy, [[1, 2]], drafter=drafter, max_new_tokens=2, key=jax.random.key(0))
+
+
 # --------------------------------------------------------------------------- the joint law
 
 
