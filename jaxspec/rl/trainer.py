@@ -45,6 +45,7 @@ import numpy as np
 
 from jaxspec.config import Config
 from jaxspec.config import save as save_config
+from jaxspec.decoding.history import HistoryStore
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
@@ -135,7 +136,7 @@ class GRPOTrainer:
         self.optimizer = make_optimizer(cfg.optim)
         self.draft = DraftLearner(cfg, plan, self.cluster, self.sampling,
                                   filtered=self.filtered, log=self.log)
-        self.trains_draft = cfg.draft.kind == "eagle3" and cfg.draft.online
+        self.trains_draft = cfg.draft.kind in ("eagle3", "hybrid") and cfg.draft.online
         self.last_batch: RolloutBatch | None = None
         self.last_scored: dict | None = None
         self.warmup_history: dict[str, Any] = {}  # what the warm-up and draft init did
@@ -159,7 +160,7 @@ class GRPOTrainer:
                                   history=history)
         ref_params = _copy(policy.params) if cfg.grpo.kl_coef > 0 else None
         kind, draft_opt_init = cfg.draft.kind, None
-        if kind != "eagle3":
+        if kind not in ("eagle3", "hybrid"):
             head = None
         elif head is None:
             head, draft_opt_init = self.draft.build_head(policy, resuming=resuming,
@@ -181,9 +182,15 @@ class GRPOTrainer:
                 draft_opt_state = self.draft.init_state(head)
         # the reference is checkpointed unless it is the model.hf_path on disk, untouched
         ref_saved = cfg.model.hf_path is None or cfg.warmup.steps > 0
+        history = None
+        if kind in ("history", "hybrid"):  # restored from the checkpoint when resuming
+            h, r = cfg.draft.history, cfg.rollout
+            history = HistoryStore.empty(h.prompts, h.per_prompt,
+                                         r.max_prompt_len + r.max_new_tokens)
         return RunState(policy=policy, opt_state=opt_state, key=jax.random.key(cfg.run.seed),
                         ref_params=ref_params, ref_saved=ref_saved, head=head,
-                        draft_opt_state=draft_opt_state, draft_model=draft_model)
+                        draft_opt_state=draft_opt_state, draft_model=draft_model,
+                        history=history)
 
     def _place(self):
         """Params, optimizer states and the reference onto the training devices."""
@@ -278,6 +285,11 @@ class GRPOTrainer:
         self.last_batch, self.last_scored = batch, scored
         problem = self._nonfinite(grpo_metrics, draft_metrics)
         m = step_metrics(batch, grpo_metrics, draft_metrics, completed=s.completed + 1)
+        if s.history is not None:  # the history index's size (stored rollouts, tokens)
+            m["history/rollouts"] = s.history.size()
+            m["history/tokens"] = s.history.stored_tokens()
+        for k, v in self.rollouts.draft_stats.pop(done, {}).items():  # hybrid: by source
+            m[f"spec/accepted_{k}"] = v
         if problem is not None:
             m["nonfinite"] = 1  # the guard kept the old params: nothing was applied
             m.update(timer.summary())
