@@ -47,6 +47,7 @@ __all__ = [
     "GRPOConfig",
     "MeshSpec",
     "ModelSpec",
+    "HistorySpec",
     "NgramSpec",
     "OptimSpec",
     "RolloutSpec",
@@ -89,6 +90,7 @@ _LIBRARY = {
     "Llama3RopeScaling": "jaxspec.models.config",
     "ModelConfig": "jaxspec.models.config",
     "NGramDrafter": "jaxspec.decoding.drafters",
+    "HistoryDrafter": "jaxspec.decoding.history",
     "SamplingConfig": "jaxspec.decoding.sampling",
     "TreeSpec": "jaxspec.decoding.drafters",
 }
@@ -459,10 +461,37 @@ class NgramSpec(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class HistorySpec(_Section):
+    """Group-aware drafting (`HistoryDrafter`, kinds history and hybrid): the continuations of
+    the longest matched suffix (min_n <= n <= max_n) in the group's in-flight rollouts and the
+    prompt's stored earlier rollouts; a tree of `budget` nodes (hybrid: shared with the
+    EAGLE-3 chain of draft.k), `depth` deep (null: draft.k). The store keeps `per_prompt` rollouts for each of `prompts`
+    prompts (least recently written reused first) and is checkpointed with the run."""
+
+    budget: int = _library_default("HistoryDrafter", "budget")  # tree nodes per verify
+    depth: Optional[int] = _field(None, **_ge(1))  # history draft depth; null: draft.k
+    min_n: int = _library_default("HistoryDrafter", "min_n")
+    max_n: int = _library_default("HistoryDrafter", "max_n")
+    max_matches: int = _library_default("HistoryDrafter", "max_matches")  # merged per row
+    prompts: int = _field(64, **_ge(1))  # prompt slots in the store
+    per_prompt: int = _field(4, **_ge(1))  # stored rollouts per prompt (a ring)
+
+    def drafter_settings(self, k: int) -> dict:
+        """The HistoryDrafter keywords of these fields (depth: `depth`, else k)."""
+        return dict(k=self.depth or k, budget=self.budget, min_n=self.min_n, max_n=self.max_n,
+                    max_matches=self.max_matches)
+
+    def _validate(self):
+        self._library_check(lambda: _lib("HistoryDrafter")(
+            store=None, siblings=None, slots=None, **self.drafter_settings(1)))
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftSpec(_Section):
     """The drafter proposing tokens for the policy to verify."""
 
-    kind: Literal["none", "eagle3", "mtp", "draft_model", "ngram"] = "eagle3"
+    # history: group-aware suffix drafts; hybrid: history + the EAGLE-3 chain in one tree
+    kind: Literal["none", "eagle3", "mtp", "draft_model", "ngram", "history", "hybrid"] = "eagle3"
     k: int = _field(3, **_ge(1))  # chain length (drafted tokens per verify)
     tree: Optional[TreeSpec] = None  # noqa: F821 (lazy) null: chain drafting
     draft_vocab_size: Optional[int] = _field(None, **_ge(1))  # null: the policy's vocabulary
@@ -475,19 +504,37 @@ class DraftSpec(_Section):
     collapse_patience: int = _field(3, **_ge(1))  # alarm after this many collapsed steps in a row
     model: Optional[ModelSpec] = None  # the small model for kind draft_model (or hf_path)
     ngram: NgramSpec = _field(factory=NgramSpec)
+    history: HistorySpec = _field(factory=HistorySpec)  # kinds history and hybrid
 
     def _validate(self):
-        if self.tree is not None and self.kind in ("none", "ngram"):
+        if self.tree is not None and self.kind in ("none", "ngram", "history", "hybrid"):
             raise ConfigError("tree", dataclasses.asdict(self.tree),
-                              f"draft kind '{self.kind}' does not draft trees",
+                              f"draft kind '{self.kind}' does not take draft.tree"
+                              + (" (its tree is draft.history.budget nodes)"
+                                 if self.kind in ("history", "hybrid") else ""),
                               "null, or kind eagle3 / mtp / draft_model")
+        if self.kind in ("history", "hybrid"):  # the budget must hold a chain of k
+            deepest = self.history.depth or self.k  # hybrid: the head's chain too
+            deepest = max(deepest, self.k) if self.kind == "hybrid" else deepest
+            try:
+                self.history._library_check(lambda: _lib("HistoryDrafter")(
+                    store=None, siblings=None, slots=None,
+                    **dict(self.history.drafter_settings(self.k), k=deepest)))
+            except ConfigError as e:
+                raise e.under("history") from None
         if self.kind == "draft_model" and self.model is None and self.hf_path is None:
             raise ConfigError("model", None, "kind 'draft_model' needs a model",
                               "a model spec (draft.model.*) or draft.hf_path")
         if self.kind != "none":  # a verify step accepts at most depth + 1 tokens
             most = (self.tree.depth if self.tree is not None else self.k) + 1
+            what = "draft.tree.depth" if self.tree is not None else "draft.k"
+            if self.kind == "history":
+                most = self.history.drafter_settings(self.k)["k"] + 1
+                what = "draft.history.depth (or draft.k)"
+            elif self.kind == "hybrid":
+                most = max(self.k, self.history.depth or self.k) + 1
+                what = "the deeper of draft.k and draft.history.depth"
             if self.collapse_threshold > most:
-                what = "draft.tree.depth" if self.tree is not None else "draft.k"
                 raise ConfigError("collapse_threshold", self.collapse_threshold,
                                   f"above the longest possible acceptance ({what} + 1 = {most}),"
                                   f" so the alarm would never clear", f"a number in [1, {most}]")
@@ -497,6 +544,8 @@ def draft_headroom(draft: DraftSpec) -> int:
     """Cache slots a verify step needs beyond the committed tokens: the fed draft nodes + 1."""
     if draft.kind == "none":
         return 1
+    if draft.kind in ("history", "hybrid"):
+        return draft.history.budget + 1
     return (draft.tree.budget if draft.tree is not None else draft.k) + 1
 
 

@@ -13,6 +13,7 @@ from jaxspec.decoding.drafters import (  # noqa: E402  (drafters build on the ab
     TreeSpec,
 )
 from jaxspec.decoding.engine import Rollouts, RolloutStats, generate  # noqa: E402
+from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter  # noqa: E402
 
 __all__ = [
     "METHODS",
@@ -21,6 +22,9 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "Eagle3Drafter",
+    "HistoryDrafter",
+    "HistoryStore",
+    "HybridDrafter",
     "MTPDrafter",
     "NGramDrafter",
     "NoDrafter",

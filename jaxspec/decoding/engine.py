@@ -87,6 +87,9 @@ class Rollouts:
     lengths: jax.Array  # [batch] int32: generated tokens per row (stop token included)
     logprobs: jax.Array  # [batch, max_new_tokens] float32 log p(token) under the processed policy
     stats: RolloutStats
+    # the drafter's own counters, from its optional `draft_stats(state)` ({} without one),
+    # e.g. HybridDrafter's accepted drafts by source
+    draft_stats: dict = dataclasses.field(default_factory=dict)
 
 
 def generate(
@@ -274,10 +277,12 @@ def _generate_jit(
         kept = jnp.where((offs < (num_accepted + 1)[:, None]) & active[:, None], path, -1)
         cache = compact(cache, kept, num_fed=num_nodes + 1, fed_mask=active)
         kept_idx = jnp.maximum(kept, 0)
+        # The drafter observes what was emitted: entries past a stop token or the budget
+        # (the row is done) are padding, so its counters match `accepted_at`.
         draft_state = drafter.observe(draft_state, policy, Observation(
             fed_tokens=jnp.take_along_axis(fed, kept_idx, axis=1),
             next_tokens=emitted,
-            positions=jnp.where(kept >= 0, root_pos[:, None] + offs, -1),
+            positions=jnp.where((kept >= 0) & (offs < n_emit[:, None]), root_pos[:, None] + offs, -1),
             captured={
                 layer: jnp.take_along_axis(h, kept_idx[..., None], axis=1)
                 for layer, h in captured.items()
@@ -305,4 +310,6 @@ def _generate_jit(
     valid = jnp.arange(max_new_tokens)[None, :] < n_gen[:, None]
     out_tokens = jnp.where(valid, jnp.take_along_axis(final.buffer, gen_idx, axis=1), pad_id)
     out_logp = jnp.where(valid, jnp.take_along_axis(final.logprobs, gen_idx, axis=1), 0.0)
-    return Rollouts(out_tokens, n_gen, out_logp, final.stats)
+    summary = getattr(drafter, "draft_stats", None)
+    draft_stats = summary(final.draft_state) if summary is not None else {}
+    return Rollouts(out_tokens, n_gen, out_logp, final.stats, draft_stats)

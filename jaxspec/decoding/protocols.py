@@ -64,7 +64,8 @@ class Drafter(Protocol):
     """Proposes a draft tree per row each step; a pytree, so it passes through `jax.jit`.
 
     The static members size the compiled loop; the engine counts forwards from the declared
-    costs (a drafter never counts anything itself).
+    costs (a drafter never counts anything itself). Optional: `draft_stats(state) -> dict`
+    of the drafter's own counters, returned by `generate` as `Rollouts.draft_stats`.
     """
 
     @property

@@ -234,11 +234,11 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
         raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
                           f"larger than the policy's vocabulary ({vocab})", f"<= {vocab}")
     draft_vocab = vocab  # the drafter's vocabulary (a tree expands top_k of it per node)
-    if d.kind == "eagle3":
+    if d.kind in ("eagle3", "hybrid"):
         draft_vocab = d.draft_vocab_size or vocab
     if d.kind == "mtp" and d.hf_path is not None:
         _inspect_mtp(d.hf_path, model_config)
-    if d.kind == "eagle3" and d.hf_path is not None:
+    if d.kind in ("eagle3", "hybrid") and d.hf_path is not None:
         head = _inspect_head(d.hf_path, model_config, cfg.model.dtype)
         if d.draft_vocab_size is not None and d.draft_vocab_size != head.draft_vocab_size:
             raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,

@@ -10,8 +10,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.decoding import drafters as drafters_lib
+from jaxspec.decoding import history as history_lib
 from jaxspec.decoding.engine import RolloutStats
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.metrics import StageTimer
@@ -19,7 +21,7 @@ from jaxspec.rl.cluster import Cluster
 from jaxspec.rl.state import RunState
 
 __all__ = ["RolloutBatch", "RolloutWorker", "abstract_batch", "completions_ended",
-           "encode_prompts", "make_drafter", "score_completions"]
+           "encode_prompts", "make_drafter", "prompt_keys", "score_completions"]
 
 
 @jax.tree_util.register_dataclass
@@ -111,10 +113,22 @@ def score_completions(
     return out
 
 
-def make_drafter(draft_cfg, tree, head=None, draft_model=None):
+def make_drafter(draft_cfg, tree, head=None, draft_model=None, *, history=None, groups=None,
+                 prompt_keys=None):
     """The drafter of `draft.kind` over the given (generation-side) head or draft model;
-    `NoDrafter` (the empty tree) for plain decoding."""
+    `NoDrafter` (the empty tree) for plain decoding. Kinds history and hybrid also take the
+    HistoryStore, each row's group id ([B], rows of one prompt share one) and prompt key
+    ([B] `history.prompt_key`); without groups, a one-row drafter (for its static sizes)."""
     d = draft_cfg
+    if d.kind in ("history", "hybrid"):
+        drafter = history_lib.HistoryDrafter.for_batch(
+            [0] if groups is None else groups, store=history,
+            prompt_keys=None if groups is None else prompt_keys,
+            **d.history.drafter_settings(d.k))
+        if d.kind == "history":
+            return drafter
+        return history_lib.HybridDrafter(drafter, drafters_lib.Eagle3Drafter(head, k=d.k),
+                                         budget=d.history.budget)
     if d.kind == "eagle3":
         return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree)
     if d.kind == "mtp":
@@ -124,6 +138,12 @@ def make_drafter(draft_cfg, tree, head=None, draft_model=None):
     if d.kind == "ngram":
         return drafters_lib.NGramDrafter(k=d.k, min_n=d.ngram.min_n, max_n=d.ngram.max_n)
     return drafters_lib.NoDrafter()
+
+
+def prompt_keys(prompts, lengths) -> np.ndarray:  # [B, P], [B] -> [B] int64
+    """Each row's prompt identity in the HistoryStore (a hash of its tokens)."""
+    return np.array([history_lib.prompt_key(p[:n]) for p, n in
+                     zip(np.asarray(prompts), np.asarray(lengths))], np.int64)
 
 
 def _speculates(drafter) -> bool:
@@ -139,11 +159,37 @@ class RolloutWorker:
         r = cfg.rollout
         self.batch_size = r.prompts_per_step * r.group_size
         self._compiled = False
+        # {step: the drafter's Rollouts.draft_stats} until the trainer logs them (hybrid:
+        # accepted drafts by source); host ints, not checkpointed
+        self.draft_stats: dict[int, dict[str, int]] = {}
 
-    def sync_weights(self, policy, head=None, draft_model=None):
-        """The setup stage: (policy, drafter) on the generation devices, for `generate`."""
+    def sync_weights(self, policy, head=None, draft_model=None, *, history=None, prompts=None,
+                     lengths=None):
+        """The setup stage: (policy, drafter) on the generation devices, for `generate`.
+        History kinds draft for the batch `prompts` [B, P] / `lengths` [B] (each prompt
+        repeated group_size times, as `prompts()` makes them) from the store `history`."""
         policy, head, draft_model = self.cluster.sync_weights(policy, head, draft_model)
-        return policy, make_drafter(self.cfg.draft, self.plan.tree, head, draft_model)
+        groups = keys = None
+        if history is not None:  # replicated on the generation devices
+            history = jax.device_put(history, NamedSharding(self.cluster.gen_mesh, PartitionSpec()))
+        if prompts is not None:
+            groups = np.arange(len(prompts)) // self.cfg.rollout.group_size
+            keys = prompt_keys(prompts, lengths)
+        return policy, make_drafter(self.cfg.draft, self.plan.tree, head, draft_model,
+                                    history=history, groups=groups, prompt_keys=keys)
+
+    def remember(self, history, prompts, lengths, tokens, gen_lengths):
+        """The store with this batch's rollouts (prompt + completion) added (history kinds);
+        None stays None."""
+        if history is None:
+            return None
+        prompts, lengths = np.asarray(prompts), np.asarray(lengths)
+        tokens, gen_lengths = np.asarray(tokens), np.asarray(gen_lengths)
+        seqs = np.zeros((len(prompts), prompts.shape[1] + tokens.shape[1]), np.int32)
+        for i, (n, m) in enumerate(zip(lengths, gen_lengths)):
+            seqs[i, :n] = prompts[i, :n]
+            seqs[i, n:n + m] = tokens[i, :m]
+        return history.add(prompt_keys(prompts, lengths), seqs, lengths + gen_lengths)
 
     def prompts(self, step: int):
         """The examples of `step` and their prompts, each repeated group_size times."""
@@ -179,9 +225,16 @@ class RolloutWorker:
         with timer.stage("data"):
             examples, prompts, lengths = self.prompts(step)
         with timer.stage("setup") as s:
-            policy, drafter = s.ready(self.sync_weights(*state.models))
+            policy, drafter = s.ready(self.sync_weights(*state.models, history=state.history,
+                                                        prompts=prompts, lengths=lengths))
         with timer.stage("generation") as s:
             out = s.ready(self.generate(policy, drafter, state.key, step, prompts, lengths))
+        if out.draft_stats:
+            self.draft_stats[step] = {k: int(v) for k, v in out.draft_stats.items()}
+        if state.history is not None:  # the store learns this step's rollouts (own stage)
+            with timer.stage("history"):
+                state.history = self.remember(state.history, prompts, lengths, out.tokens,
+                                              out.lengths)
         plain_time, identical = math.nan, math.nan
         if compare and _speculates(drafter):
             plain = self.generate(policy, drafters_lib.NoDrafter(), state.key, step, prompts, lengths)
@@ -205,7 +258,8 @@ class RolloutWorker:
         if self._compiled:
             return
         _, prompts, lengths = self.prompts(state.completed)
-        policy, drafter = self.sync_weights(*state.models)
+        policy, drafter = self.sync_weights(*state.models, history=state.history,
+                                            prompts=prompts, lengths=lengths)
         self.generate(policy, drafter, state.key, 0, prompts, lengths)
         if _speculates(drafter) and self.cfg.run.compare_plain:
             self.generate(policy, drafters_lib.NoDrafter(), state.key, 0, prompts, lengths)

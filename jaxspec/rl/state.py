@@ -27,6 +27,7 @@ class RunState:
     head: Any = None  # Eagle3Head (draft.kind eagle3)
     draft_opt_state: Any = None  # the head's optimizer state (online draft training)
     draft_model: Any = None  # Policy (draft.kind draft_model)
+    history: Any = None  # HistoryStore: earlier rollouts per prompt (draft.kind history, hybrid)
     queue: list = dataclasses.field(default_factory=list)  # RolloutBatch of later steps (async)
     completed: int = 0
     collapsed_steps: int = 0  # consecutive steps below the acceptance-collapse threshold
@@ -49,6 +50,8 @@ class RunState:
             tree["draft_opt"] = self.draft_opt_state
         if self.draft_model is not None:
             tree["draft_model"] = self.draft_model.params
+        if self.history is not None:
+            tree["history"] = self.history
         return tree
 
     def meta(self, prompts_per_step: int) -> dict:
@@ -87,6 +90,9 @@ _STATE_RULES: dict[str, Callable[[Any, Any], bool]] = {
     "draft.layers": _changed,
     "draft.online": _changed,
     "draft.model": _changed,
+    "draft.history.prompts": _changed,  # the HistoryStore's shape
+    "draft.history.per_prompt": _changed,
+    "draft.history.depth": _changed,  # the queue's per-depth counters (async)
     "rollout.prompts_per_step": _changed,
     "rollout.group_size": _changed,
     "rollout.max_prompt_len": _changed,
@@ -168,6 +174,8 @@ def restore_checkpoint(directory: str, step: int, state: RunState,
         state.draft_opt_state = tree["draft_opt"]
     if "draft_model" in tree:
         state.draft_model = state.draft_model.replace(params=tree["draft_model"])
+    if "history" in tree:
+        state.history = tree["history"]
     state.completed = int(meta["step"])
     state.collapsed_steps = int(meta["collapsed_steps"])
     state.skipped_steps = int(meta.get("skipped_steps", 0))

@@ -46,6 +46,7 @@ import numpy as np
 from jaxspec import parallel
 from jaxspec.config import Config, ConfigError
 from jaxspec.config import save as save_config
+from jaxspec.decoding.history import HistoryStore
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
@@ -142,7 +143,7 @@ class GRPOTrainer:
         self.optimizer = make_optimizer(cfg.optim)
         self.draft = DraftLearner(cfg, plan, self.cluster, self.sampling,
                                   filtered=self.filtered, log=self.log)
-        self.trains_draft = cfg.draft.kind in ("eagle3", "mtp") and cfg.draft.online
+        self.trains_draft = cfg.draft.kind in ("eagle3", "hybrid", "mtp") and cfg.draft.online
         if cfg.grpo.reuse_generation_logprobs and cfg.async_.enabled:
             raise ConfigError("grpo.reuse_generation_logprobs", True,
                               "async rollouts come from older params than the old policy",
@@ -174,7 +175,7 @@ class GRPOTrainer:
         if kind == "mtp":
             if head is None:
                 head, draft_opt_init = self.draft.build_mtp_head(policy, resuming=resuming)
-        elif kind != "eagle3":
+        elif kind not in ("eagle3", "hybrid"):
             head = None
         elif head is None:
             head, draft_opt_init = self.draft.build_head(policy, resuming=resuming,
@@ -196,9 +197,15 @@ class GRPOTrainer:
                 draft_opt_state = self.draft.init_state(head)
         # the reference is checkpointed unless it is the model.hf_path on disk, untouched
         ref_saved = cfg.model.hf_path is None or cfg.warmup.steps > 0
+        history = None
+        if kind in ("history", "hybrid"):  # restored from the checkpoint when resuming
+            h, r = cfg.draft.history, cfg.rollout
+            history = HistoryStore.empty(h.prompts, h.per_prompt,
+                                         r.max_prompt_len + r.max_new_tokens)
         return RunState(policy=policy, opt_state=opt_state, key=jax.random.key(cfg.run.seed),
                         ref_params=ref_params, ref_saved=ref_saved, head=head,
-                        draft_opt_state=draft_opt_state, draft_model=draft_model)
+                        draft_opt_state=draft_opt_state, draft_model=draft_model,
+                        history=history)
 
     def _place(self):
         """Params, optimizer states and the reference onto the training devices."""
@@ -295,6 +302,11 @@ class GRPOTrainer:
         self.last_batch, self.last_scored = batch, scored
         problem = self._nonfinite(grpo_metrics, draft_metrics)
         m = step_metrics(batch, grpo_metrics, draft_metrics, completed=s.completed + 1)
+        if s.history is not None:  # the history index's size (stored rollouts, tokens)
+            m["history/rollouts"] = s.history.size()
+            m["history/tokens"] = s.history.stored_tokens()
+        for k, v in self.rollouts.draft_stats.pop(done, {}).items():  # hybrid: by source
+            m[f"spec/accepted_{k}"] = v
         if reuse.get("reuse/reused"):  # old == generation by construction: log the measured
             m["grpo/logprob_mismatch_max"] = reuse["reuse/mismatch_max"]
             m["grpo/logprob_mismatch_mean"] = reuse["reuse/mismatch_mean"]
@@ -489,7 +501,7 @@ class GRPOTrainer:
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
                            f"tensors: not exported", step=self.completed)
         try:
-            head = self.head if self.cfg.draft.kind == "eagle3" else None
+            head = None if self.cfg.draft.kind == "mtp" else self.head  # EAGLE-3 (or None)
             if self.cfg.draft.kind == "mtp":  # the DeepSeek-V3 layout, beside the policy
                 save_mtp(self.head, os.path.join(self.cfg.run.dir, "mtp"), policy=self.policy)
             export_models(self.cfg.run.dir, self.policy, head,

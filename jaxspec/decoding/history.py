@@ -1,0 +1,477 @@
+"""Group-aware drafting: suffix matches in the other rollouts of the same prompt.
+
+GRPO samples each prompt G times per step and sees the same prompts again in later epochs,
+and the rollouts of one prompt share long stretches. `HistoryDrafter` drafts, for each row,
+the continuations that followed the row's current suffix (the longest n = max_n..min_n that
+occurs) in two sources:
+
+- the in-flight rollouts of its group (its siblings, itself included): the engine's token
+  buffer, which the jitted loop updates after every verify step, so a sibling's freshly
+  committed tokens are visible at the next proposal (a finished sibling stays visible);
+- the finished rollouts of the same prompt from earlier steps: `HistoryStore`, a ring of
+  `per_prompt` sequences for each of `prompts` prompt slots, updated by the trainer after
+  each step (host side) and saved with the run's checkpoint.
+
+The "index" is brute force on device, bounded by fixed shapes: each proposal compares the
+row's suffix with every position of its G + per_prompt candidate sequences (rows x (G + R)
+x width x max_n comparisons), keeps the first `max_matches` matches (candidate order, then
+position), and merges their k-token continuations into a trie whose node score is the
+fraction of matches through it (a count). The best `budget` nodes form the draft tree.
+
+`HybridDrafter` puts the history trie and an EAGLE-3 chain into one tree: a head node's
+score is the chain's probability under the head (exp of the cumulative log-prob), a history
+node's the fraction of matches through it, both estimates of the chance the path is the
+continuation, so one top-`budget` selection serves both (a path both propose is one node).
+With no history match the tree is the head's chain. Any draft is lossless under replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decoding.drafters import Eagle3Drafter, _ModelFree
+from jaxspec.decoding.protocols import DraftContext, Observation
+from jaxspec.decoding.tree import Tree
+
+__all__ = ["HistoryDrafter", "HistoryStore", "HybridDrafter", "prompt_key", "sibling_table"]
+
+_NEG = -1e30
+HISTORY, HEAD = 1, 2  # a hybrid tree node's source bits
+
+
+def prompt_key(tokens) -> int:  # tokens: [P] int prompt ids (no padding)
+    """A prompt's identity in the store: a 31-bit hash of its token ids (a collision only
+    costs draft quality, never exactness)."""
+    return zlib.crc32(np.asarray(tokens, np.int32).tobytes()) & 0x7FFFFFFF
+
+
+def sibling_table(groups) -> np.ndarray:  # groups: [B] int -> [B, G] int32
+    """Row indices of each row's group (the row itself included), -1 padded to the largest
+    group: what `HistoryDrafter.siblings` holds."""
+    groups = np.asarray(groups)
+    members = {g: np.flatnonzero(groups == g) for g in np.unique(groups)}
+    width = max(len(m) for m in members.values())
+    out = np.full((len(groups), width), -1, np.int32)
+    for i, g in enumerate(groups):
+        out[i, : len(members[g])] = members[g]
+    return out
+
+
+# --------------------------------------------------------------------------- the store
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HistoryStore:
+    """Finished rollouts (prompt + completion) per prompt: fixed shapes, bounded memory
+    (prompts x per_prompt x width int32). A prompt gets a slot on first sight; when every
+    slot is taken, the least recently written one is reused."""
+
+    tokens: jax.Array  # [P, R, W] int32 sequences, right-padded
+    lengths: jax.Array  # [P, R] int32 (0: empty entry)
+    owner: jax.Array  # [P] int32 prompt_key of the slot's prompt, -1: free
+    next: jax.Array  # [P] int32 ring position of the slot's next write
+    written: jax.Array  # [P] int32 the `clock` value of the slot's last write
+    clock: jax.Array  # [] int32 number of `add` calls
+
+    @classmethod
+    def empty(cls, prompts: int, per_prompt: int, width: int) -> HistoryStore:
+        for name, value in (("prompts", prompts), ("per_prompt", per_prompt), ("width", width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"HistoryStore.{name} must be an int >= 1; got {value!r}")
+        i32 = jnp.int32
+        return cls(tokens=jnp.zeros((prompts, per_prompt, width), i32),
+                   lengths=jnp.zeros((prompts, per_prompt), i32),
+                   owner=jnp.full((prompts,), -1, i32), next=jnp.zeros((prompts,), i32),
+                   written=jnp.zeros((prompts,), i32), clock=jnp.zeros((), i32))
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[2]
+
+    def size(self) -> int:
+        """Stored sequences (the index size)."""
+        return int(np.sum(np.asarray(self.lengths) > 0))
+
+    def stored_tokens(self) -> int:
+        return int(np.sum(np.asarray(self.lengths)))
+
+    def slots_of(self, keys) -> np.ndarray:  # keys: [B] int prompt keys -> [B] int32
+        """The slot holding each prompt, -1 where none does."""
+        owner = np.asarray(self.owner)
+        keys = np.asarray(keys, np.int64)
+        hit = owner[None, :] == keys[:, None]
+        return np.where(hit.any(1), hit.argmax(1), -1).astype(np.int32)
+
+    def add(
+        self,
+        keys,  # [B] int prompt_key of each row's prompt
+        sequences,  # [B, T] int prompt + completion, right-padded
+        lengths,  # [B] int valid tokens per row
+    ) -> HistoryStore:
+        """The store with each row's sequence appended to its prompt's ring (host side)."""
+        tokens, lens = np.array(self.tokens), np.array(self.lengths)
+        owner, nxt, written = np.array(self.owner), np.array(self.next), np.array(self.written)
+        clock = int(self.clock) + 1
+        sequences, lengths = np.asarray(sequences), np.asarray(lengths)
+        keys = np.asarray(keys, np.int64)
+        if sequences.ndim != 2 or len(sequences) != len(keys) or len(lengths) != len(keys):
+            raise ValueError(f"HistoryStore.add: keys {keys.shape}, sequences {sequences.shape} "
+                             f"and lengths {lengths.shape} must describe the same rows")
+        width = tokens.shape[2]
+        for key, seq, n in zip(keys, sequences, lengths):
+            hit = np.flatnonzero(owner == key)
+            if len(hit):
+                slot = hit[0]
+            else:  # a free slot, else the least recently written one
+                free = np.flatnonzero(owner < 0)
+                slot = free[0] if len(free) else int(np.argmin(written))
+                owner[slot], nxt[slot] = key, 0
+                lens[slot] = 0
+            n = int(min(n, width, seq.shape[0]))
+            r = nxt[slot]
+            tokens[slot, r] = 0
+            tokens[slot, r, :n] = seq[:n]
+            lens[slot, r] = n
+            nxt[slot] = (r + 1) % tokens.shape[1]
+            written[slot] = clock
+        return HistoryStore(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(owner),
+                            jnp.asarray(nxt), jnp.asarray(written), jnp.asarray(clock, jnp.int32))
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+def _candidates(drafter: HistoryDrafter, ctx: DraftContext):
+    """-> (tokens [B, C, W], lengths [B, C]): the row's siblings' buffers, then its prompt's
+    stored sequences, padded to one width."""
+    buf, lengths = ctx.buffer, ctx.lengths
+    sib = drafter.siblings
+    sib_tok = buf[jnp.maximum(sib, 0)]  # [B, G, Wb]
+    sib_len = jnp.where(sib >= 0, lengths[jnp.maximum(sib, 0)], 0)
+    store, slot = drafter.store, drafter.slots
+    hist_tok = store.tokens[jnp.maximum(slot, 0)]  # [B, R, Ws]
+    hist_len = jnp.where(slot[:, None] >= 0, store.lengths[jnp.maximum(slot, 0)], 0)
+    width = max(buf.shape[1], store.width)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2])))  # noqa: E731
+    return (jnp.concatenate([pad(sib_tok), pad(hist_tok)], axis=1),
+            jnp.concatenate([sib_len, hist_len], axis=1))
+
+
+def lookup(drafter: HistoryDrafter, ctx: DraftContext):
+    """The continuations of each row's longest matched suffix.
+
+    -> (conts [B, M, k] int32, valid [B, M, k] bool, n [B] int32 matched length, 0 if none):
+    the first M = max_matches matches in (candidate, end position) order; a match of the
+    last n committed tokens ending at position e of a candidate continues with its tokens
+    e+1 .. e+k (valid while inside the candidate's length).
+    """
+    cand, clen = _candidates(drafter, ctx)
+    batch, num_c, width = cand.shape
+    lengths = ctx.lengths
+    hi, lo, k, m = drafter.max_n, drafter.min_n, drafter.k, drafter.max_matches
+    s_idx = lengths[:, None] - hi + jnp.arange(hi)[None, :]
+    suffix = jnp.take_along_axis(ctx.buffer, jnp.maximum(s_idx, 0), axis=1)  # [B, hi]
+    e = jnp.arange(width)[None, None, :]
+    match = jnp.ones((batch, num_c, width), bool)
+    best = jnp.zeros((batch, num_c, width), bool)
+    best_n = jnp.zeros((batch,), jnp.int32)
+    for i in range(hi):  # match of n = i + 1 tokens ending at e
+        shifted = jnp.pad(cand, ((0, 0), (0, 0), (i, 0)))[:, :, :width]  # cand[..., e - i]
+        match = match & (shifted == suffix[:, hi - 1 - i, None, None]) & (e >= i)
+        n = i + 1
+        if n < lo:
+            continue
+        ok = match & (e + 1 < clen[:, :, None]) & (lengths[:, None, None] >= n)
+        found = jnp.any(ok, axis=(1, 2))
+        best = jnp.where(found[:, None, None], ok, best)  # longer n overrides shorter
+        best_n = jnp.where(found, n, best_n)
+    flat = best.reshape(batch, -1)
+    order = jnp.where(flat, -jnp.arange(flat.shape[1], dtype=jnp.int32)[None, :], -(2**30))
+    score, where = jax.lax.top_k(order, m)  # the first m matches
+    hit = score > -(2**30)
+    c_idx, e_idx = where // width, where % width
+    steps = e_idx[..., None] + 1 + jnp.arange(k)[None, None, :]  # [B, M, k]
+    seqs = cand[jnp.arange(batch)[:, None], c_idx]  # [B, M, W]
+    conts = jnp.take_along_axis(seqs, jnp.minimum(steps, width - 1), axis=2)
+    limit = jnp.take_along_axis(clen, c_idx, axis=1)  # [B, M]
+    valid = hit[..., None] & (steps < limit[..., None])
+    return conts, valid, best_n
+
+
+def _trie(conts, valid):
+    """Matches' continuations [B, M, k] as trie nodes in a pool indexed (depth-1) * M + m.
+
+    Node (d, m) is the path conts[m, :d]; it is kept once (at the first m with that path).
+    -> (tokens, parents (pool index, -1: the root), depths, scores: fraction of matches
+    through the node, present) each [B, k * M].
+    """
+    batch, m, k = conts.shape
+    total = jnp.maximum(jnp.sum(valid[:, :, 0], axis=1), 1).astype(jnp.float32)  # [B]
+    same = jnp.ones((batch, m, m), bool)
+    first_prev = None
+    toks, pars, deps, scores, present = [], [], [], [], []
+    for d in range(k):
+        same = same & (conts[:, :, None, d] == conts[:, None, :, d]) \
+            & valid[:, :, None, d] & valid[:, None, :, d]
+        first = jnp.argmax(same, axis=2).astype(jnp.int32)  # [B, M] first equal match
+        count = jnp.sum(same, axis=2).astype(jnp.float32)
+        toks.append(conts[:, :, d])
+        pars.append(jnp.full((batch, m), -1, jnp.int32) if d == 0 else (d - 1) * m + first_prev)
+        deps.append(jnp.full((batch, m), d + 1, jnp.int32))
+        scores.append(count / total[:, None])
+        present.append(valid[:, :, d] & (first == jnp.arange(m)[None, :]))
+        first_prev = first
+    cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
+    return cat(toks), cat(pars), cat(deps), cat(scores), cat(present)
+
+
+def _select(tokens, parents, depths, scores, present, budget: int, max_depth: int,
+            extra=None) -> Tree:
+    """The best `budget` present pool nodes as a Tree (pool order is topological and a
+    parent scores at least its child, so ancestors are kept; a depth penalty breaks ties).
+    Slots left over hold absent nodes (token -1). With `extra` ([B, pool] per-node values)
+    -> (Tree, extra of the kept nodes [B, budget], 0 at absent ones)."""
+    batch, size = tokens.shape
+    if size < budget:  # pad the pool with absent nodes
+        extra = budget - size
+        pad = lambda x, v: jnp.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
+        tokens, parents, depths = pad(tokens, -1), pad(parents, -1), pad(depths, 1)
+        scores, present = pad(scores, 0.0), pad(present, False)
+        extra = None if extra is None else pad(extra, 0)
+        size = budget
+    rank = jnp.where(present, scores - 1e-6 * depths, _NEG)
+    top, keep = jax.lax.top_k(rank, budget)
+    keep = jnp.sort(keep, axis=1)
+    b = jnp.arange(batch)[:, None]
+    kept = present[b, keep]
+    slot_of = jnp.full((batch, size), -1, jnp.int32).at[b, keep].set(
+        jnp.arange(budget, dtype=jnp.int32)[None, :])
+    par = parents[b, keep]
+    par = jnp.where((par >= 0) & kept, slot_of[b, jnp.maximum(par, 0)], -1)
+    tree = Tree(tokens=jnp.where(kept, tokens[b, keep], -1), parents=par,
+                depths=jnp.where(kept, depths[b, keep], 1), max_depth=max_depth)
+    if extra is None:
+        return tree
+    return tree, jnp.where(kept, extra[b, keep], 0)
+
+
+def _check_int(owner: str, name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{owner}.{name} must be an int >= {low}; got {value!r}")
+
+
+# --------------------------------------------------------------------------- drafters
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HistoryDrafter(_ModelFree):
+    """Drafts from the row's group (in flight) and its prompt's stored rollouts; model-free.
+
+    Build one per batch with `HistoryDrafter.for_batch`. A row's tree holds the `budget`
+    trie nodes with the most matches (depth <= k); with no match it is empty (all absent).
+    """
+
+    store: HistoryStore
+    siblings: jax.Array  # [B, G] int32 rows of each row's group (itself included), -1 pad
+    slots: jax.Array  # [B] int32 the store slot of each row's prompt, -1: none
+    k: int = dataclasses.field(default=4, metadata=dict(static=True))  # draft depth
+    budget: int = dataclasses.field(default=4, metadata=dict(static=True))  # tree nodes
+    min_n: int = dataclasses.field(default=1, metadata=dict(static=True))
+    max_n: int = dataclasses.field(default=4, metadata=dict(static=True))
+    max_matches: int = dataclasses.field(default=8, metadata=dict(static=True))
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for field, low in (("k", 1), ("budget", 1), ("min_n", 1), ("max_matches", 1)):
+            _check_int(name, field, getattr(self, field), low)
+        _check_int(name, "max_n", self.max_n, self.min_n)
+        if self.budget < self.k:
+            raise ValueError(f"{name}.budget={self.budget} must be >= k={self.k} (a chain "
+                             f"of k drafts must fit)")
+
+    @classmethod
+    def for_batch(cls, groups, *, store: HistoryStore | None = None, prompt_keys=None,
+                  **settings) -> HistoryDrafter:
+        """groups: [B] int group id of each row (rows of one prompt share one);
+        prompt_keys: [B] int `prompt_key` of each row's prompt (None: no stored history)."""
+        groups = np.asarray(groups)
+        if groups.ndim != 1 or groups.size == 0:
+            raise ValueError(f"groups must be a non-empty [batch] array of group ids; got "
+                             f"shape {groups.shape}")
+        store = HistoryStore.empty(1, 1, 1) if store is None else store
+        if prompt_keys is None:
+            slots = np.full(groups.shape, -1, np.int32)
+        else:
+            if np.shape(prompt_keys) != groups.shape:
+                raise ValueError(f"prompt_keys must have one entry per row ({groups.shape}); "
+                                 f"got shape {np.shape(prompt_keys)}")
+            slots = store.slots_of(prompt_keys)
+        return cls(store=store, siblings=jnp.asarray(sibling_table(groups)),
+                   slots=jnp.asarray(slots), **settings)
+
+    num_nodes = property(lambda self: self.budget)
+    max_depth = property(lambda self: self.k)
+    supports_rejection = False
+
+    def check_compatible(self, policy) -> None:
+        vocab = policy.config.vocab_size
+        top = int(np.max(np.asarray(self.store.tokens)))
+        if top >= vocab:
+            raise ValueError(f"the history store holds token id {top}; the policy's vocabulary "
+                             f"has {vocab} ids (store rollouts of this policy's tokenizer)")
+
+    def init_state(self, policy, batch, max_len):
+        if batch != self.siblings.shape[0]:
+            raise ValueError(f"HistoryDrafter was built for {self.siblings.shape[0]} rows; "
+                             f"the batch has {batch} (build it with for_batch on this batch)")
+        return None
+
+    def pool(self, ctx: DraftContext):
+        """The trie of the row's matches (see `_trie`) and the matched suffix length [B]."""
+        conts, valid, n = lookup(self, ctx)
+        return _trie(conts, valid), n
+
+    def propose(self, state, policy, ctx: DraftContext):
+        (tokens, parents, depths, scores, present), _ = self.pool(ctx)
+        return _select(tokens, parents, depths, scores, present, self.budget, self.k), None, state
+
+
+def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
+    """The head's argmax chain and its cumulative log-probs: ([B, k] int32, [B, k] float32)."""
+    head, cache, hidden = head_drafter.head, state.cache, state.last_hidden
+    pos = ctx.lengths - 1
+    tokens, logps, total = [], [], 0.0
+    for i in range(head_drafter.k):
+        if i > 0:
+            out, cache = head.forward(policy.embed(tokens[-1][:, None]), hidden[:, None],
+                                      (pos + i - 1)[:, None], cache, fuse=False)
+            hidden = out[:, 0].astype(jnp.float32)
+        logits, ids = head.draft_logits(hidden, policy)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        best = jnp.argmax(logp, axis=-1)
+        total = total + jnp.take_along_axis(logp, best[:, None], axis=1)[:, 0]
+        tokens.append((best if ids is None else ids[best]).astype(jnp.int32))
+        logps.append(total)
+    return jnp.stack(tokens, 1), jnp.stack(logps, 1)
+
+
+def merge_chain(pool, chain_tokens, chain_scores):
+    """A history pool (from `_trie`) with a chain appended: a chain node whose path is
+    already a present pool node becomes that node (score: the larger of the two).
+    chain_tokens, chain_scores: [B, c]. -> (the merged pool, same layout, size + c; each
+    node's source [B, size + c] int32: HISTORY, HEAD or HISTORY | HEAD)."""
+    tokens, parents, depths, scores, present = pool
+    batch, size = tokens.shape
+    c = chain_tokens.shape[1]
+    b = jnp.arange(batch)[:, None]
+    # path_eq[b, p]: pool node p's path equals the chain's first depth(p) tokens
+    path_eq = jnp.zeros((batch, size), bool)
+    new_tok, new_par, new_dep, new_score, new_present = [], [], [], [], []
+    source = jnp.full((batch, size), HISTORY, jnp.int32)
+    prev = jnp.full((batch,), -1, jnp.int32)  # pool index of the chain's previous node
+    for j in range(c):
+        parent_ok = jnp.where(parents >= 0, path_eq[b, jnp.maximum(parents, 0)], True)
+        at_j = present & (depths == j + 1) & (tokens == chain_tokens[:, j, None]) & parent_ok
+        path_eq = path_eq | at_j
+        dup = jnp.any(at_j, axis=1)
+        twin = jnp.argmax(at_j, axis=1).astype(jnp.int32)
+        scores = scores.at[jnp.arange(batch), twin].max(jnp.where(dup, chain_scores[:, j], _NEG))
+        source = source.at[jnp.arange(batch), twin].set(
+            jnp.where(dup, HISTORY | HEAD, source[jnp.arange(batch), twin]))
+        new_tok.append(chain_tokens[:, j])
+        new_par.append(prev)
+        new_dep.append(jnp.full((batch,), j + 1, jnp.int32))
+        new_score.append(chain_scores[:, j])
+        new_present.append(~dup)
+        prev = jnp.where(dup, twin, size + j)
+    st = lambda xs: jnp.stack(xs, 1)  # noqa: E731
+    cat = lambda a, x: jnp.concatenate([a, st(x)], axis=1)  # noqa: E731
+    pool = (cat(tokens, new_tok), cat(parents, new_par), cat(depths, new_dep),
+            cat(scores, new_score), cat(present, new_present))
+    return pool, jnp.concatenate([source, jnp.full((batch, c), HEAD, jnp.int32)], axis=1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridState:
+    head: Any  # the EAGLE-3 chain drafter's state
+    tokens: jax.Array  # [B, N] int32 the last proposed tree (-1: none yet / absent)
+    parents: jax.Array  # [B, N] int32
+    source: jax.Array  # [B, N] int32 source bits of each node (HISTORY, HEAD)
+    accepted: jax.Array  # [3] int32 accepted drafts from history only, head only, both
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridDrafter:
+    """One tree from the history trie and an EAGLE-3 chain, `budget` nodes scored on one
+    scale (see the module docstring); the head's state and forwards are the chain's."""
+
+    history: HistoryDrafter
+    head: Eagle3Drafter  # a chain drafter (tree None)
+    budget: int = dataclasses.field(default=6, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if not isinstance(self.history, HistoryDrafter):
+            raise TypeError(f"HybridDrafter.history must be a HistoryDrafter; got "
+                            f"{type(self.history).__name__}")
+        if not isinstance(self.head, Eagle3Drafter) or self.head.tree is not None:
+            raise TypeError("HybridDrafter.head must be an Eagle3Drafter drafting a chain "
+                            "(tree=None)")
+        _check_int("HybridDrafter", "budget", self.budget, self.head.k)
+
+    num_nodes = property(lambda self: self.budget)
+    max_depth = property(lambda self: max(self.history.k, self.head.k))
+    capture_layers = property(lambda self: self.head.capture_layers)
+    supports_rejection = False
+    forwards_per_propose = property(lambda self: self.head.forwards_per_propose)
+    forwards_per_observe = property(lambda self: self.head.forwards_per_observe)
+
+    def check_compatible(self, policy) -> None:
+        self.history.check_compatible(policy)
+        self.head.check_compatible(policy)
+
+    def init_state(self, policy, batch, max_len):
+        self.history.init_state(policy, batch, max_len)
+        none = jnp.full((batch, self.budget), -1, jnp.int32)
+        return HybridState(self.head.init_state(policy, batch, max_len), none, none,
+                           jnp.zeros_like(none), jnp.zeros((3,), jnp.int32))
+
+    def observe(self, state: HybridState, policy, obs: Observation):
+        # Which proposed nodes the policy accepted: entries 1.. of the observation follow the
+        # root along the accepted path (the prompt's observation matches no tree: tokens -1).
+        current = jnp.full(obs.fed_tokens.shape[:1], -1, jnp.int32)
+        accepted = state.accepted
+        for j in range(1, min(obs.fed_tokens.shape[1], self.max_depth + 1)):
+            child = (state.parents == current[:, None]) & (state.tokens >= 0) \
+                & (state.tokens == obs.fed_tokens[:, j, None]) & (obs.positions[:, j, None] >= 0)
+            hit = jnp.any(child, axis=1)
+            node = jnp.argmax(child, axis=1).astype(jnp.int32)
+            src = jnp.take_along_axis(state.source, node[:, None], axis=1)[:, 0]
+            accepted = accepted + jnp.stack([jnp.sum(hit & (src == s)) for s in
+                                             (HISTORY, HEAD, HISTORY | HEAD)]).astype(jnp.int32)
+            current = jnp.where(hit, node, -2)
+        head = self.head.observe(state.head, policy, obs)
+        return dataclasses.replace(state, head=head, accepted=accepted)
+
+    def propose(self, state: HybridState, policy, ctx: DraftContext):
+        pool, _ = self.history.pool(ctx)
+        chain, logp = _head_chain(self.head, state.head, policy, ctx)
+        merged, source = merge_chain(pool, chain, jnp.exp(logp))
+        tree, source = _select(*merged, self.budget, self.max_depth, extra=source)
+        state = dataclasses.replace(state, tokens=tree.tokens, parents=tree.parents,
+                                    source=source)
+        return tree, None, state
+
+    def draft_stats(self, state: HybridState) -> dict:
+        """Accepted drafts by source: {'history_only', 'head_only', 'both'} counts."""
+        a = state.accepted
+        return {"history_only": a[0], "head_only": a[1], "both": a[2]}
