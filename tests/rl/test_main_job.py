@@ -121,7 +121,7 @@ def test_train_draft_builds_no_grpo_trainer_and_its_head_speculates(tmp_path, mo
     cfg = load_config(TINY, [*SHORT, f"run.dir={run_dir}"])
     task = make_task(cfg.task.name, seed=cfg.run.seed, **cfg.task.params)
     tok = task.tokenizer
-    examples = task.batch(10_000, 32)  # prompts neither the RL run nor the draft init saw
+    examples = task.batch(10_000, 128)  # prompts neither the RL run nor the draft init saw
     prompts = encode_prompts(tok, [ex.prompt for ex in examples], cfg.rollout.max_prompt_len)
     fresh = Eagle3Head.init_for(policy, head.config.draft_vocab_size, jax.random.key(5))
 
@@ -132,11 +132,15 @@ def test_train_draft_builds_no_grpo_trainer_and_its_head_speculates(tmp_path, mo
 
     trained, untrained = rollouts(head), rollouts(fresh)
     np.testing.assert_array_equal(trained.tokens, untrained.tokens)
-    # measured (fixed keys): 1.39 vs 1.03 tokens per policy forward; first-draft acceptance
-    # 0.33 vs 0.03 (completions are 2-3 tokens sampled at temperature 1)
+    # Measured (fixed keys, 128 prompts, ~300 first drafts each): 1.31 vs 1.02 tokens per
+    # policy forward, first-draft acceptance 0.28 vs 0.02; across numerically different but
+    # equivalent training code (remat, fused losses) the trained head ranged 0.28-0.33. The
+    # thresholds sit > 5 standard errors (binomial, n ~ 300: 0.026 and 0.008) from both, so a
+    # correct head fails them with probability < 1e-6; a head no better than a fresh one
+    # fails them.
     assert untrained.stats.acceptance_length < 1.1
-    assert trained.stats.acceptance_length > untrained.stats.acceptance_length + 0.25
-    assert trained.stats.per_position_acceptance[0] > 0.2 > untrained.stats.per_position_acceptance[0]
+    assert trained.stats.acceptance_length > untrained.stats.acceptance_length + 0.15
+    assert trained.stats.per_position_acceptance[0] > 0.15 > untrained.stats.per_position_acceptance[0]
 
 
 # --------------------------------------------------------------------------- bad inputs
