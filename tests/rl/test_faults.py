@@ -5,7 +5,6 @@ one `error:` line, no traceback."""
 
 import contextlib
 import errno
-import importlib.util
 import json
 import os
 import pathlib
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from script_loader import load_script
 from test_resume import assert_same_tree, rows
 from test_trainer import SHORT, warmed_base
 
@@ -37,13 +37,6 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 def make_config(run_dir, *extra):
     return load_config(TINY, SHORT + [f"run.dir={run_dir}", *extra])
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 train_grpo = load_script("train_grpo")

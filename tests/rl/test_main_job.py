@@ -1,7 +1,6 @@
 """The main job, scripts/train_grpo.py, on a shortened configs/tiny.yaml (the same code path
 as the full run), scripts/report.py on its output, and one clear error per bad input."""
 
-import importlib.util
 import json
 import logging
 import pathlib
@@ -10,6 +9,7 @@ import jax
 import matplotlib.image
 import numpy as np
 import pytest
+from script_loader import load_script
 from test_trainer import SHORT, warmed_base  # the shortened tiny.yaml every test in tests/rl runs
 
 from jaxspec.config import load_config
@@ -26,13 +26,6 @@ from jaxspec.rl.trainer import GRPOTrainer
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 4
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 train_grpo = load_script("train_grpo")

@@ -4,12 +4,12 @@ special tokens, a chat template, generation_config.json with two EOS ids): the m
 (fsdp=-1), the chat template and the EOS list are checked against transformers' own
 tokenizer and the rollouts themselves (issue 14)."""
 
-import importlib.util
 import json
 import pathlib
 
 import numpy as np
 import pytest
+from script_loader import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 QWEN = str(ROOT / "configs" / "qwen3_8b_eagle3.yaml")
@@ -22,13 +22,6 @@ PROMPTS = [("What is 12 + 30?", "42"), ("Compute 7 * 6.", "42"), ("What is 100 -
            ("Simplify \\frac{6}{8}.", "\\frac{3}{4}"), ("What is 2^5?", "32"),
            ("How many sides has a hexagon?", "6")]
 MAX_NEW = 12
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tokenizer_files(path: pathlib.Path) -> dict:
@@ -104,7 +97,7 @@ def test_qwen3_config_runs_with_chat_template_and_every_eos(qwen, tmp_path, monk
 
     monkeypatch.setattr(GRPOTrainer, "__init__", keep)
     run_dir = tmp_path / "run"
-    assert _script("train_grpo").main([QWEN, *_overrides(path, data, run_dir)]) == 0
+    assert load_script("train_grpo").main([QWEN, *_overrides(path, data, run_dir)]) == 0
     trainer = made[0]
     # The mesh: fsdp=-1 over every device for training, generation over the same devices.
     assert trainer.train_mesh.shape["fsdp"] == len(trainer.train_mesh.devices.flat) > 1
@@ -141,7 +134,7 @@ def test_train_draft_with_the_qwen3_config(qwen, tmp_path):
     path, data, _ = qwen
     run_dir = tmp_path / "draft"
     overrides = [o for o in _overrides(path, data, run_dir) if not o.startswith("draft.hf_path")]
-    assert _script("train_draft").main([QWEN, *overrides]) == 0
+    assert load_script("train_draft").main([QWEN, *overrides]) == 0
     config = json.loads((run_dir / "eagle3" / "config.json").read_text())
     assert config["draft_vocab_size"] == 64
 
@@ -167,7 +160,7 @@ def test_a_later_prompt_too_long_once_templated_is_one_error_before_compiling(
                             for p, a in PROMPTS + [(long, "120")]))
     overrides = [*_overrides(path, data, tmp_path / "run"), f"rollout.max_prompt_len={raw}"]
     with caplog.at_level(logging.WARNING), jax.log_compiles(True):
-        assert _script("train_grpo").main([QWEN, *overrides]) == 2
+        assert load_script("train_grpo").main([QWEN, *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: config key 'rollout.max_prompt_len'"), err
     assert f"prompt {len(PROMPTS)} " in err[0] and f"has {templated} tokens" in err[0], err[0]
