@@ -438,6 +438,7 @@ class ModelSpec(_Section):
     dtype: str = _tiny("dtype")
     attention_backend: str = _tiny("attention_backend")  # jaxspec.kernels.BACKENDS
     batch_invariant: bool = _tiny("batch_invariant")  # bitwise bf16 replay; costs speed
+    layer_loop: str = _tiny("layer_loop")  # decoding: auto | scan | unroll (jaxspec.models)
 
     def model_config(self, vocab_size: int):
         """The `ModelConfig` of these fields with the given vocabulary."""

@@ -12,6 +12,7 @@ from jaxspec.kernels import BACKENDS
 
 FAMILIES = ("qwen3", "llama")
 DTYPES = ("float32", "bfloat16")
+LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +49,14 @@ class ModelConfig:
     # how many rows and tokens share the forward, so bf16 replay is bitwise; it replaces
     # attention_backend and costs speed.
     batch_invariant: bool = False
+    # How decoding runs the layers: one scan over the stacked weights, or unrolled over
+    # per-layer copies (faster on CPU, where a scan copies each layer's weights per step);
+    # "auto": unrolled on CPU, scan elsewhere. Training always scans.
+    layer_loop: str = "auto"
 
     def __post_init__(self):
         for name, choices in (("family", FAMILIES), ("dtype", DTYPES),
-                              ("attention_backend", BACKENDS)):
+                              ("attention_backend", BACKENDS), ("layer_loop", LAYER_LOOPS)):
             value = getattr(self, name)
             if value not in choices:
                 close = difflib.get_close_matches(str(value), choices, n=1)

@@ -169,7 +169,10 @@ class Attention(nnx.Module):
         if self.config.batch_invariant:
             b, t, n, d = heads.shape
             return invariant_dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1))
-        return jnp.einsum("btnd,ndh->bth", heads, self.o_proj[...])
+        # One [B*T, n*d] x [n*d, H] matmul: the weight's reshape is free, where the einsum
+        # over (n, d) made XLA's CPU backend transpose-copy o_proj at every decode step.
+        b, t, n, d = heads.shape
+        return jnp.dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1))
 
     def attend(
         self,

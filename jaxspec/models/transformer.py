@@ -3,6 +3,12 @@
 One forward serves prefill (ragged prompts), decode (T=1) and draft-tree verification
 (T=N+1 fed tokens under an ancestor mask). Layers are stacked on a leading `layers` axis
 and run by one `jax.lax.scan`, so compile time and HLO size do not grow with depth.
+
+Decoding on CPU runs them unrolled instead: inside a scan XLA's CPU backend copies each
+layer's weight slice before its matmuls, which halves the read bandwidth of a memory-bound
+decode step (docs/BENCHMARKS.md, "Layer weights"). `Policy.unstack_layers()` (called once
+per `generate`, outside its loop) gives the forward per-layer arrays to read in place; the
+parameters themselves stay stacked, so checkpoints, sharding and training are unchanged.
 """
 
 from __future__ import annotations
@@ -74,12 +80,14 @@ class Transformer(nnx.Module):
         mask,  # [B, T, T] bool
         capture: tuple[int, ...] = (),
         head: bool = True,
+        layer_params: tuple | None = None,  # per-layer params (Policy.unstack_layers): unrolled
     ):
         """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new);
         head=False returns the final-normed hidden states [B,T,H] in place of the logits."""
         x = self.embed(tokens)
         if self.config.batch_invariant:  # float32 activations (see jaxspec.kernels.invariant)
             x = x.astype(jnp.float32)
+        unstacked = layer_params
         layer_def, layer_params = nnx.split(self.layers)
         captured = jnp.zeros((len(capture),) + x.shape, x.dtype)
         capture_ids = jnp.asarray(capture, jnp.int32)
@@ -97,10 +105,20 @@ class Transformer(nnx.Module):
                 captured = jnp.where(hit, x[None], captured)
             return (x, captured), (k_new, v_new)
 
-        indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, captured), (k_new, v_new) = jax.lax.scan(
-            body, (x, captured), (layer_params, k_cache, v_cache, indices)
-        )
+        if unstacked is not None:  # the same body, unrolled over per-layer arrays
+            k_out, v_out = [], []
+            for index, params in enumerate(unstacked):
+                (x, captured), (k_layer, v_layer) = body(
+                    (x, captured), (params, k_cache[index], v_cache[index], jnp.int32(index))
+                )
+                k_out.append(k_layer)
+                v_out.append(v_layer)
+            k_new, v_new = jnp.stack(k_out), jnp.stack(v_out)
+        else:
+            indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+            (x, captured), (k_new, v_new) = jax.lax.scan(
+                body, (x, captured), (layer_params, k_cache, v_cache, indices)
+            )
         x = self.norm(x)
         return (self.logits(x) if head else x), captured, k_new, v_new
 
@@ -122,7 +140,8 @@ def _forward(policy, tokens, positions, cache, mask, capture, head=True):
     s = k_cache.shape[2]
     valid, mask = new_token_mask(positions, mask)
     logits, captured, k_new, v_new = model(
-        tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture, head
+        tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture, head,
+        layer_params=policy.layer_params,
     )
     captured = {layer: captured[i] for i, layer in enumerate(capture)}
     if cache is None:
@@ -168,6 +187,8 @@ class Policy:
     config: ModelConfig = dataclasses.field(metadata=dict(static=True))
     graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
     params: nnx.State
+    # Per-layer copies of params["layers"] for the unrolled forward (unstack_layers), or None.
+    layer_params: tuple | None = None
 
     @classmethod
     def from_module(cls, module: Transformer) -> Policy:
@@ -210,6 +231,28 @@ class Policy:
         new = Policy.abstract(self.config.replace(dtype=dtype))
         params = jax.tree.map(lambda x: x.astype(new.config.param_dtype), self.params)
         return new.replace(params=params)
+
+    def unstack_layers(self) -> Policy:
+        """This policy with per-layer copies of the stacked layer weights, which `forward`
+        then runs unrolled (the same numbers as the scan, read in place on CPU).
+
+        Call it once outside a decoding loop (the engine does, per `model.layer_loop`):
+        the copies cost one read of the layer weights and hold a second copy of them.
+        """
+        if self.layer_params is not None:
+            return self
+        stacked = self.params["layers"]
+        return self.replace(layer_params=tuple(
+            jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers)
+        ))
+
+    @property
+    def decodes_unrolled(self) -> bool:
+        """Whether decoding unrolls the layers: `model.layer_loop`, where "auto" means on CPU."""
+        loop = self.config.layer_loop
+        if loop == "auto":
+            return jax.default_backend() == "cpu"
+        return loop == "unroll"
 
     @property
     def module(self) -> Transformer:
