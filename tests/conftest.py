@@ -10,7 +10,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
+# One cache per pytest-xdist worker (`-n 2`): JAX writes cache entries in place, so a worker
+# could read another's half-written file.
+_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache" / os.environ.get(
+    "PYTEST_XDIST_WORKER", "main")
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
