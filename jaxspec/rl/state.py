@@ -82,6 +82,7 @@ _STATE_RULES: dict[str, Callable[[Any, Any], bool]] = {
     "model": _changed,
     "model.attention_backend": lambda a, b: False,  # how it computes, not what it holds
     "model.batch_invariant": lambda a, b: False,
+    "model.layer_loop": lambda a, b: False,
     "draft.kind": _changed,
     "draft.k": _changed,
     "draft.tree": _changed,

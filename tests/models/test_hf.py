@@ -93,10 +93,14 @@ def _positions(batch=2):
     return np.tile(np.arange(SEQ, dtype=np.int32), (batch, 1))
 
 
+@pytest.mark.parametrize("unrolled", [False, True], ids=["scan", "unrolled"])
 @pytest.mark.parametrize("name", ["qwen3_tied", "qwen3_untied", "llama3"])
-def test_float32_logits_and_hidden_states_match_transformers(hf, name):
+def test_float32_logits_and_hidden_states_match_transformers(hf, name, unrolled):
     path, model, ids, res = hf[name]
     policy = load_hf(path)
+    if unrolled:  # the per-layer copies decoding reads on CPU (Policy.unstack_layers)
+        policy = policy.unstack_layers()
+        assert len(policy.layer_params) == policy.config.num_layers
     assert policy.config.tie_embeddings == (name == "qwen3_tied")
     assert (policy.config.rope_scaling is not None) == (name == "llama3")
     layers = policy.config.num_layers
