@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.kernels import CacheLayer
 from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig
 from jaxspec.kernels.invariant import invariant_dot
@@ -89,8 +90,11 @@ class Transformer(nnx.Module):
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def body(carry, xs):
             x, captured = carry
-            params, k_layer, v_layer, index = xs
+            params, index = xs
             layer = nnx.merge(layer_def, params)
+            # The stacked cache and the layer index, unsliced: the attention reads only the
+            # blocks it needs (a sliced layer would be copied whole every step).
+            k_layer, v_layer = CacheLayer(k_cache, index), CacheLayer(v_cache, index)
             x, k_new, v_new = layer(x, positions, k_layer, v_layer, cache_lengths, mask)
             if capture:
                 hit = (capture_ids == index)[:, None, None, None]
@@ -99,7 +103,7 @@ class Transformer(nnx.Module):
 
         indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         (x, captured), (k_new, v_new) = jax.lax.scan(
-            body, (x, captured), (layer_params, k_cache, v_cache, indices)
+            body, (x, captured), (layer_params, indices)
         )
         x = self.norm(x)
         return (self.logits(x) if head else x), captured, k_new, v_new
