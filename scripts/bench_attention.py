@@ -48,7 +48,7 @@ def _parse(argv=None):
     p.add_argument("--capacities", default="128,2048", help="decode: cache slots, small first")
     p.add_argument("--budgets", default="64,2048", help="rollout: max_new_tokens, small first")
     p.add_argument("--prompt-len", type=int, default=16, help="rollout: prompt tokens")
-    p.add_argument("--stops", type=int, default=32, help="rollout: stop tokens (ids 0..n-1)")
+    p.add_argument("--stops", type=int, default=24, help="rollout: stop tokens (ids 0..n-1)")
     p.add_argument("--steps", type=int, default=32, help="decode: forwards per timed call")
     p.add_argument("--depths", default="2,3,4,5,6", help="tree: draft depths")
     p.add_argument("--refeed", action="store_true", help="tree: also time the re-feed proposal")
@@ -94,8 +94,9 @@ def bench_rollout(args) -> None:
     stops = list(range(args.stops))
     print(f"rollout: tiny policy hidden {args.hidden}, {args.layers} layers, prompt {args.prompt_len}, "
           f"{args.stops} stop tokens of {vocab}; max_new_tokens {large} vs {small}")
-    print("| batch | longest rollout | ms at {0} | ms at {1} | ratio {1}/{0} |".format(small, large))
-    print("| --- | --- | --- | --- | --- |")
+    print("| batch | longest rollout | ms at {0} | ms at {1} | ratio {1}/{0} | 1-step call ms at {0} "
+          "| 1-step call ms at {1} |".format(small, large))
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [list(rng.integers(args.stops, vocab, args.prompt_len)) for _ in range(batch)]
         key = jax.random.key(args.seed)
@@ -109,9 +110,16 @@ def bench_rollout(args) -> None:
         if longest >= small or not (np.array_equal(a.lengths, b.lengths)
                                     and np.array_equal(a.tokens, b.tokens[:, :small])):
             raise SystemExit(f"batch {batch}: the rollouts differ or reach the budget (longest {longest})")
+        # The same calls with every token a stop token: one step, so what is left is the
+        # per-call cost outside the loop (allocating the cache, the outputs).
+        for n in (small, large):
+            run[f"1 step {n}"] = (lambda n=n: generate(
+                policy, prompts, sampling=SamplingConfig(temperature=1.0), max_new_tokens=n,
+                key=key, stop_tokens=list(range(vocab))))
         times = _interleaved(run, args.rounds)
         print(f"| {batch} | {longest} | {_ms(times[small]):.1f} | {_ms(times[large]):.1f} | "
-              f"{_ratio(times[large], times[small]):.2f} |")
+              f"{_ratio(times[large], times[small]):.2f} | {_ms(times[f'1 step {small}']):.1f} | "
+              f"{_ms(times[f'1 step {large}']):.1f} |")
 
 
 def bench_decode(args) -> None:

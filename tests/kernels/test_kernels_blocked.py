@@ -85,3 +85,35 @@ def test_bad_block_size_is_named():
     x = make_inputs(8, batch=2, max_len=4, nodes=2, q_heads=2, kv_heads=1, head_dim=4)
     with pytest.raises(ValueError, match="block_k=0"):
         tree_attention_blocked(*[x[k] for k in ARG_ORDER], block_k=0)
+
+
+def test_ancestor_keys_are_seen_through_their_mask():
+    """WithAncestors: each new token also attends to the earlier nodes its mask allows; equal
+    to float64 numpy over the prefix, the allowed earlier nodes and the allowed new ones."""
+    from jaxspec.kernels import WithAncestors
+
+    x = make_inputs(9, batch=3, max_len=20, nodes=3, q_heads=4, kv_heads=2, head_dim=8)
+    rng = np.random.default_rng(2)
+    m = 5
+    k_extra = rng.standard_normal((3, m, 2, 8)).astype(np.float32)
+    v_extra = rng.standard_normal((3, m, 2, 8)).astype(np.float32)
+    seen = rng.random((3, 3, m)) < 0.5
+    seen[0, 0] = False  # row 0 has an empty prefix: with no earlier node, only its own mask
+    args = [x[k] for k in ARG_ORDER]
+    args[1] = WithAncestors(jnp.asarray(x["k_cache"]), jnp.asarray(k_extra), jnp.asarray(seen))
+    args[2] = WithAncestors(jnp.asarray(x["v_cache"]), jnp.asarray(v_extra), jnp.asarray(seen))
+    out = np.asarray(jax.jit(lambda *a: tree_attention(*a, block_k=8))(*args))
+    # numpy: the earlier nodes as extra new entries, one query per real node.
+    b, n = 3, 3
+    want = np.zeros_like(out, dtype=np.float64)
+    for i in range(b):
+        for node in range(n):
+            keys_new = np.concatenate([k_extra[i], x["k_new"][i]])[None]
+            vals_new = np.concatenate([v_extra[i], x["v_new"][i]])[None]
+            mask = np.concatenate([seen[i, node], x["tree_mask"][i, node]])[None, None].repeat(m + n, 1)
+            q = np.zeros((1, m + n) + x["q"].shape[2:], np.float32)
+            q[0, 0] = x["q"][i, node]
+            res = numpy_reference(q, x["k_cache"][i : i + 1], x["v_cache"][i : i + 1],
+                                  x["cache_lengths"][i : i + 1], keys_new, vals_new, mask)
+            want[i, node] = res[0, 0]
+    assert rel_err(out, want) < 2e-6
