@@ -169,7 +169,9 @@ def tree_attention(
             q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=scale,
             block_k=block_k,
         )
-    k_cache, v_cache = layer_array(k_cache), layer_array(v_cache)  # kernels take one layer
+    # Kernels take one layer's array, in the new keys' dtype (a no-op when the cache has it).
+    k_cache = layer_array(k_cache).astype(k_new.dtype)
+    v_cache = layer_array(v_cache).astype(v_new.dtype)
     dtypes = {x.dtype for x in (q, k_cache, v_cache, k_new, v_new)}
     if len(dtypes) != 1:
         raise ValueError(
