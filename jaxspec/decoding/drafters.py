@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.protocols import DraftContext, DraftHead, Observation
 from jaxspec.decoding.sampling import process_logits
 from jaxspec.decoding.tree import Tree
+from jaxspec.kernels import WithAncestors
 from jaxspec.models import KVCache, Policy
 
 
@@ -41,6 +42,12 @@ def _choose(logits, ctx: DraftContext, offset: int, ids=None, vocab=None):
     if ids is not None:  # q over the target vocabulary: zero outside the draft vocabulary
         q = jnp.zeros(q.shape[:-1] + (vocab,), q.dtype).at[..., ids].set(q)
     return token, q
+
+
+def _is_invariant(head) -> bool:
+    """Whether the head's layer runs the batch-invariant forward (its config's `layer`)."""
+    layer = getattr(getattr(head, "config", None), "layer", None)
+    return bool(getattr(layer, "batch_invariant", False))
 
 
 # --------------------------------------------------------------------------- model-free
@@ -316,12 +323,24 @@ class _HeadDrafter:
         return Tree.chain(jnp.stack(tokens, axis=1)), draft_probs, HeadState(cache, state.last_hidden)
 
     def _propose_tree(self, state, policy, ctx):
+        """Each depth feeds only the new frontier; it sees the head's cache and its ancestors'
+        keys and values, carried from the depths that computed them (linear in depth). The
+        batch-invariant mode, whose attention takes no carried keys, re-feeds instead."""
+        return self._expand_tree(state, policy, ctx, refeed=_is_invariant(self.head))
+
+    def _propose_tree_refeed(self, state, policy, ctx):
+        """The same tree, feeding every frontier node so far at each depth (quadratic in
+        depth): the invariant mode's path and the reference the carried path is tested on."""
+        return self._expand_tree(state, policy, ctx, refeed=True)
+
+    def _expand_tree(self, state, policy, ctx, *, refeed: bool):
         spec = self.tree
         kk = spec.top_k
         cache = state.cache
         batch = ctx.lengths.shape[0]
         pos = ctx.lengths - 1
         b_idx = jnp.arange(batch)[:, None]
+        eye = jnp.broadcast_to(jnp.eye(kk, dtype=bool), (batch, kk, kk))
 
         logits, ids = self.head.draft_logits(state.last_hidden, policy)  # [batch, C], [C] | None
         score, idx = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), kk)  # [batch, kk]
@@ -334,16 +353,30 @@ class _HeadDrafter:
         fed_tok = tok  # frontier nodes fed so far, in feeding order
         fed_hidden_in = jnp.broadcast_to(state.last_hidden[:, None], (batch, kk, state.last_hidden.shape[-1]))
         fed_depth = jnp.ones((batch, kk), jnp.int32)
-        fed_anc = jnp.broadcast_to(jnp.eye(kk, dtype=bool), (batch, kk, kk))
+        fed_anc = eye  # [batch, fed, fed]: node j is node i or its ancestor
+        fed_k = fed_v = None  # [batch, fed - kk, kv_heads, head_dim]: keys of earlier depths
         front_pool = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), (batch, kk))
         front_score = score
 
         for _ in range(1, spec.depth):
             num_fed = fed_tok.shape[1]
-            out, _ = self.head.forward(
-                policy.embed(fed_tok), fed_hidden_in, pos[:, None] + fed_depth - 1, cache,
-                mask=fed_anc, fuse=False,
-            )
+            if refeed:
+                out, _ = self.head.forward(
+                    policy.embed(fed_tok), fed_hidden_in, pos[:, None] + fed_depth - 1, cache,
+                    mask=fed_anc, fuse=False,
+                )
+            else:
+                k_cache, v_cache = cache.k[0], cache.v[0]
+                if fed_k is not None:  # the frontier also sees its ancestors among them
+                    seen = fed_anc[:, -kk:, : num_fed - kk]  # [batch, kk, fed - kk]
+                    k_cache, v_cache = WithAncestors(k_cache, fed_k, seen), WithAncestors(v_cache, fed_v, seen)
+                out, k, v = self.head.layer_step(
+                    policy.embed(fed_tok[:, -kk:]), fed_hidden_in[:, -kk:],
+                    pos[:, None] + fed_depth[:, -kk:] - 1, k_cache, v_cache,
+                    jnp.minimum(cache.lengths, cache.max_len), mask=eye, fuse=False,
+                )
+                fed_k = k if fed_k is None else jnp.concatenate([fed_k, k], axis=1)
+                fed_v = v if fed_v is None else jnp.concatenate([fed_v, v], axis=1)
             front_out = out[:, -kk:].astype(jnp.float32)  # [batch, kk, H]
             child_logits, _ = self.head.draft_logits(front_out, policy)
             c_score, c_idx = jax.lax.top_k(jax.nn.log_softmax(child_logits, axis=-1), kk)  # [batch, kk, kk]
@@ -365,9 +398,7 @@ class _HeadDrafter:
             fed_anc = jnp.concatenate(
                 [
                     jnp.concatenate([fed_anc, jnp.zeros((batch, num_fed, kk), bool)], axis=2),
-                    jnp.concatenate(
-                        [anc_rows, jnp.broadcast_to(jnp.eye(kk, dtype=bool), (batch, kk, kk))], axis=2
-                    ),
+                    jnp.concatenate([anc_rows, eye], axis=2),
                 ],
                 axis=1,
             )

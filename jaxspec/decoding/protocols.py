@@ -131,6 +131,20 @@ class DraftHead(Protocol):
     ) -> tuple[jax.Array, Any]:
         """-> (pre-norm hidden [B, T, H], cache with the new entries appended)."""
 
+    def layer_step(
+        self,
+        embeds,  # [B, T, H]
+        hidden,  # [B, T, F] or [B, T, H], as in `forward`
+        positions,  # [B, T] int32
+        k_cache,  # [B, S, kv_heads, head_dim] or a jaxspec.kernels.WithAncestors view
+        v_cache,  # [B, S, kv_heads, head_dim] or a WithAncestors view
+        cache_lengths,  # [B] int32
+        *,
+        mask,  # [B, T, T] bool among the new entries
+        fuse: bool,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`forward` without storing: -> (pre-norm hidden [B, T, H], k, v [B, T, kv_heads, head_dim])."""
+
     def draft_logits(self, hidden, policy) -> tuple[jax.Array, jax.Array | None]:
         """hidden [..., H] -> (float32 logits [..., C], target ids [C] of the candidates, or None
         when the candidates are the policy's vocabulary itself)."""

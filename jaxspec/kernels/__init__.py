@@ -2,7 +2,9 @@
 
 `tree_attention` is the one entry point. Backends:
 
-- ``reference``: plain jnp, the oracle in tests and the default on CPU/TPU;
+- ``reference``: jnp on XLA, the default on CPU/TPU: the cache read in blocks, in its stored
+  dtype, only up to the longest live row (`tree_attention_blocked`); it matches
+  `tree_attention_reference`, the plain oracle every backend is tested against;
 - ``pallas``: a Pallas kernel (Triton lowering on GPU, ``interpret=True`` elsewhere);
 - ``triton``: a Triton kernel called through jax-triton (CUDA only, imported lazily);
 - ``auto``: reference on CPU/TPU; on GPU triton if jax_triton imports, else pallas.
@@ -19,6 +21,12 @@ import functools
 
 import jax
 
+from jaxspec.kernels.blocked import (
+    CacheLayer,
+    WithAncestors,
+    layer_array,
+    tree_attention_blocked,
+)
 from jaxspec.kernels.reference import tree_attention_reference
 
 BACKENDS = ("auto", "reference", "pallas", "triton")
@@ -128,8 +136,8 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 def tree_attention(
     q,  # [batch, num_nodes, q_heads, head_dim]
-    k_cache,  # [batch, max_len, kv_heads, head_dim]
-    v_cache,  # [batch, max_len, kv_heads, head_dim]
+    k_cache,  # [batch, max_len, kv_heads, head_dim], a CacheLayer or WithAncestors
+    v_cache,  # [batch, max_len, kv_heads, head_dim], a CacheLayer or WithAncestors
     cache_lengths,  # [batch] int: valid prefix slots per row
     k_new,  # [batch, num_nodes, kv_heads, head_dim]
     v_new,  # [batch, num_nodes, kv_heads, head_dim]
@@ -149,16 +157,21 @@ def tree_attention(
 
     Output [batch, num_nodes, q_heads, head_dim] in q's dtype; scores and softmax
     in float32; a node that may attend to nothing gets zeros. Tuning knobs (static;
-    None = the backend's default) never change the math and are ignored by
-    ``reference``; ``interpret`` (pallas only) defaults to True off-GPU.
+    None = the backend's default) never change the math; ``reference`` uses only
+    ``block_k``; ``interpret`` (pallas only) defaults to True off-GPU.
     """
     _check_inputs(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
     platform = _platform()
     name = resolve_backend(backend, platform)
-    if name == "reference":
-        return tree_attention_reference(
-            q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=scale
+    if name == "reference" or isinstance(k_cache, WithAncestors):
+        # Ancestor keys (tree drafting with a head) are the blocked path's alone, on any platform.
+        return tree_attention_blocked(
+            q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=scale,
+            block_k=block_k,
         )
+    # Kernels take one layer's array, in the new keys' dtype (a no-op when the cache has it).
+    k_cache = layer_array(k_cache).astype(k_new.dtype)
+    v_cache = layer_array(v_cache).astype(v_new.dtype)
     dtypes = {x.dtype for x in (q, k_cache, v_cache, k_new, v_new)}
     if len(dtypes) != 1:
         raise ValueError(
@@ -187,8 +200,12 @@ def tree_attention(
 
 __all__ = [
     "BACKENDS",
+    "CacheLayer",
+    "WithAncestors",
     "jax_triton_available",
+    "layer_array",
     "resolve_backend",
     "tree_attention",
+    "tree_attention_blocked",
     "tree_attention_reference",
 ]

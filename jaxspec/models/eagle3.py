@@ -172,17 +172,35 @@ class Eagle3Head:
         fuse: bool,
     ):
         """One pass of the decoder layer over new entries; returns (pre-norm hidden, cache)."""
+        valid, mask = new_token_mask(positions, mask)
+        out, k, v = self.layer_step(
+            embeds, hidden, positions, cache.k[0], cache.v[0],
+            jnp.minimum(cache.lengths, cache.max_len), mask=mask, fuse=fuse,
+        )
+        return out, cache.append(0, k, v, valid).advance(valid)
+
+    def layer_step(
+        self,
+        embeds,  # [B, T, H]
+        hidden,  # [B, T, 3*H_target] (fuse=True) or [B, T, H]
+        positions,  # [B, T] int32
+        k_cache,  # [B, S, kv_heads, head_dim] (or a kernels.WithAncestors view)
+        v_cache,  # [B, S, kv_heads, head_dim]
+        cache_lengths,  # [B] int32, <= S
+        *,
+        mask,  # [B, T, T] bool among the new entries (padding already masked)
+        fuse: bool,
+    ):  # -> (pre-norm hidden [B, T, H], k [B, T, kv_heads, head_dim], v)
+        """`forward` without storing the new entries' keys and values: they are returned."""
         m = self.module
         dtype = self.config.layer.param_dtype
         hidden = hidden.astype(dtype)
         if fuse:
             hidden = m.fuse(hidden)
-        valid, mask = new_token_mask(positions, mask)
-        out, k, v = m(  # the module is its decoder layer
-            hidden, jnp.maximum(positions, 0), cache.k[0], cache.v[0],
-            jnp.minimum(cache.lengths, cache.max_len), mask, embeds=embeds.astype(dtype),
+        return m(  # the module is its decoder layer
+            hidden, jnp.maximum(positions, 0), k_cache, v_cache, cache_lengths, mask,
+            embeds=embeds.astype(dtype),
         )
-        return out, cache.append(0, k, v, valid).advance(valid)
 
     def logits(self, hidden):  # [..., H] -> float32 [..., draft_vocab]
         return self.module.logits(hidden)

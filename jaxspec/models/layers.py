@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.kernels import tree_attention
+from jaxspec.kernels import WithAncestors, layer_array, tree_attention
 from jaxspec.kernels.invariant import invariant_attention, invariant_dot, round_to, tree_sum
 from jaxspec.models.config import ModelConfig
 
@@ -179,19 +179,25 @@ class Attention(nnx.Module):
         q,  # [B, T, heads, head_dim] from `project`
         k,  # [B, T, kv_heads, head_dim]
         v,  # [B, T, kv_heads, head_dim]
-        k_cache,  # [B, S, kv_heads, head_dim]
-        v_cache,  # [B, S, kv_heads, head_dim]
+        k_cache,  # [B, S, kv_heads, head_dim] or a kernels.CacheLayer (read as stored)
+        v_cache,  # [B, S, kv_heads, head_dim] or a kernels.CacheLayer
         cache_lengths,  # [B] int32, <= S
         mask,  # [B, T, T] bool: new token i may attend to new token j
         positions=None,  # [B, T] int32 (needed by the batch-invariant mode)
     ):  # -> [B, T, heads, head_dim]
-        """New tokens over the cached prefix plus the new tokens the mask allows."""
+        """New tokens over the cached prefix plus the new tokens the mask allows; the cache
+        is never cast or copied here (the default backend reads only its live blocks)."""
         if self.config.batch_invariant:
             if positions is None:
                 raise ValueError("the batch-invariant attention needs the new tokens' positions")
-            return invariant_attention(q, k_cache, v_cache, cache_lengths, k, v, mask, positions)
+            if isinstance(k_cache, WithAncestors):
+                raise ValueError("the batch-invariant attention takes no ancestor keys "
+                                 "(WithAncestors); feed the tree's nodes as new tokens")
+            return invariant_attention(
+                q, layer_array(k_cache), layer_array(v_cache), cache_lengths, k, v, mask, positions
+            )
         return tree_attention(
-            q, k_cache.astype(k.dtype), v_cache.astype(v.dtype), cache_lengths, k, v, mask,
+            q, k_cache, v_cache, cache_lengths, k, v, mask,
             backend=self.config.attention_backend,
         )
 

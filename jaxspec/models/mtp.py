@@ -109,16 +109,32 @@ class MTPHead:
         fuse: bool,  # unused: the same projection serves target features and own outputs
     ):
         """One pass of the head over new entries; returns (pre-norm hidden, cache)."""
+        valid, mask = new_token_mask(positions, mask)
+        out, k, v = self.layer_step(
+            embeds, hidden, positions, cache.k[0], cache.v[0],
+            jnp.minimum(cache.lengths, cache.max_len), mask=mask, fuse=fuse,
+        )
+        return out, cache.append(0, k, v, valid).advance(valid)
+
+    def layer_step(
+        self,
+        embeds,  # [B, T, H]
+        hidden,  # [B, T, H]
+        positions,  # [B, T] int32
+        k_cache,  # [B, S, kv_heads, head_dim] (or a kernels.WithAncestors view)
+        v_cache,  # [B, S, kv_heads, head_dim]
+        cache_lengths,  # [B] int32, <= S
+        *,
+        mask,  # [B, T, T] bool among the new entries (padding already masked)
+        fuse: bool,  # unused, as in `forward`
+    ):  # -> (pre-norm hidden [B, T, H], k [B, T, kv_heads, head_dim], v)
+        """`forward` without storing the new entries' keys and values: they are returned."""
         del fuse
         m = self.module
         dtype = self.config.layer.param_dtype
         x = jnp.concatenate([m.enorm(embeds.astype(dtype)), m.hnorm(hidden.astype(dtype))], axis=-1)
         x = x @ m.eh_proj[...]
-        valid, mask = new_token_mask(positions, mask)
-        out, k, v = m.block(
-            x, jnp.maximum(positions, 0), cache.k[0], cache.v[0], jnp.minimum(cache.lengths, cache.max_len), mask
-        )
-        return out, cache.append(0, k, v, valid).advance(valid)
+        return m.block(x, jnp.maximum(positions, 0), k_cache, v_cache, cache_lengths, mask)
 
     def draft_logits(self, hidden, policy):  # [..., H] -> (float32 [..., V], None: ids are the target's)
         """Logits through the policy's shared LM head, over the full target vocabulary."""

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.kernels import CacheLayer
 from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig
 from jaxspec.kernels.invariant import invariant_dot
@@ -97,8 +98,11 @@ class Transformer(nnx.Module):
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def body(carry, xs):
             x, captured = carry
-            params, k_layer, v_layer, index = xs
+            params, index = xs
             layer = nnx.merge(layer_def, params)
+            # The stacked cache and the layer index, unsliced: the attention reads only the
+            # blocks it needs (a sliced layer would be copied whole every step).
+            k_layer, v_layer = CacheLayer(k_cache, index), CacheLayer(v_cache, index)
             x, k_new, v_new = layer(x, positions, k_layer, v_layer, cache_lengths, mask)
             if capture:
                 hit = (capture_ids == index)[:, None, None, None]
@@ -108,16 +112,14 @@ class Transformer(nnx.Module):
         if unstacked is not None:  # the same body, unrolled over per-layer arrays
             k_out, v_out = [], []
             for index, params in enumerate(unstacked):
-                (x, captured), (k_layer, v_layer) = body(
-                    (x, captured), (params, k_cache[index], v_cache[index], jnp.int32(index))
-                )
+                (x, captured), (k_layer, v_layer) = body((x, captured), (params, jnp.int32(index)))
                 k_out.append(k_layer)
                 v_out.append(v_layer)
             k_new, v_new = jnp.stack(k_out), jnp.stack(v_out)
         else:
             indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
             (x, captured), (k_new, v_new) = jax.lax.scan(
-                body, (x, captured), (layer_params, k_cache, v_cache, indices)
+                body, (x, captured), (layer_params, indices)
             )
         x = self.norm(x)
         return (self.logits(x) if head else x), captured, k_new, v_new

@@ -156,3 +156,24 @@ def test_every_drafter_satisfies_the_protocol(policy, head):
         assert isinstance(d, Drafter), type(d).__name__
         assert d.num_nodes >= d.max_depth  # a tree of depth D has at least D nodes
     assert not isinstance(object(), Drafter)
+
+
+@pytest.mark.parametrize("spec", [TreeSpec(top_k=3, depth=3, budget=7), TreeSpec(top_k=2, depth=5, budget=9)])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_tree_carrying_head_kv_equals_refeeding_every_depth(policy, head, spec, kind):
+    """The linear-in-depth tree (each depth feeds only its frontier, ancestors' keys carried)
+    proposes the quadratic re-feed's tree node for node."""
+    if kind == "mtp":
+        drafter = MTPDrafter(MTPHead.init_for(policy, jax.random.key(2)), tree=spec)
+    else:
+        drafter = Eagle3Drafter(head, tree=spec)
+    state = _observed_state(drafter, policy)
+    lengths = jnp.full((PROMPTS.shape[0],), PROMPTS.shape[1], jnp.int32)
+
+    def run(method):
+        ctx = DraftContext(jnp.asarray(PROMPTS), lengths, jax.random.key(0), SamplingConfig(), False)
+        return jax.jit(lambda s: getattr(drafter, method)(s, policy, ctx)[0])(state)
+
+    carried, refed = run("_propose_tree"), run("_propose_tree_refeed")
+    for field in ("tokens", "parents", "depths"):
+        np.testing.assert_array_equal(getattr(carried, field), getattr(refed, field), err_msg=field)
