@@ -54,8 +54,11 @@ class KVCache:
                 f"max_len={max_len}, num_kv_heads={num_kv_heads}, head_dim={head_dim}"
             )
         shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        # v starts at -0.0, not 0.0: two identical constants are merged by XLA into one
+        # buffer that is then copied for each (a 2048-slot cache took 21 ms instead of 8 ms
+        # per generate call at batch 16). Slots past a row's length are never read.
         return cls(
-            k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+            k=jnp.zeros(shape, dtype), v=jnp.full(shape, -0.0, dtype),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 

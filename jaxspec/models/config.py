@@ -51,7 +51,8 @@ class ModelConfig:
     batch_invariant: bool = False
     # How decoding runs the layers: one scan over the stacked weights, or unrolled over
     # per-layer copies (faster on CPU, where a scan copies each layer's weights per step);
-    # "auto": unrolled on CPU, scan elsewhere. Training always scans.
+    # "auto": unrolled on CPU (scan with batch_invariant, whose generation must match the
+    # training forward bit for bit), scan elsewhere. Training always scans.
     layer_loop: str = "auto"
 
     def __post_init__(self):

@@ -250,10 +250,12 @@ class Policy:
 
     @property
     def decodes_unrolled(self) -> bool:
-        """Whether decoding unrolls the layers: `model.layer_loop`, where "auto" means on CPU."""
+        """Whether decoding unrolls the layers: `model.layer_loop`, where "auto" means on CPU
+        unless the forward is batch-invariant (whose generation log-probs must equal the
+        training forward's bit for bit, and training scans)."""
         loop = self.config.layer_loop
         if loop == "auto":
-            return jax.default_backend() == "cpu"
+            return jax.default_backend() == "cpu" and not self.config.batch_invariant
         return loop == "unroll"
 
     @property
