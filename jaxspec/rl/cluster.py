@@ -15,9 +15,37 @@ from jaxspec import parallel
 from jaxspec.decoding.engine import generate
 from jaxspec.rl.steps import score_rollouts
 
-__all__ = ["Cluster", "mesh_sizes"]
+__all__ = ["Cluster", "host_arrays", "is_primary", "mesh_sizes"]
 
 _SCORED_INPUTS = ("prompts", "prompt_lengths", "tokens", "lengths", "gen_logprobs")
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run's files (metrics, config, exports): process 0 of
+    a multi-process run, the only process otherwise. Checkpoints are written by all."""
+    return jax.process_index() == 0
+
+
+def host_arrays(tree):
+    """`tree` with every array leaf as a numpy array of its global value. An array spread
+    over several processes is all-gathered, so in a multi-process run every process must
+    call this with the same tree (the result is the same everywhere); other leaves are
+    converted in place."""
+    def leaf(x):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x) if isinstance(x, np.generic) else x
+        if x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(jax.random.key_data(x)) if _is_key(x) else np.asarray(x)
+        from jax.experimental import multihost_utils
+
+        data = jax.random.key_data(x) if _is_key(x) else x
+        return np.asarray(multihost_utils.process_allgather(data, tiled=True))
+
+    return jax.tree.map(leaf, tree)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def mesh_sizes(mesh_cfg, n_generation: int, n_training: int) -> dict[str, tuple[int, int, int]]:
@@ -73,7 +101,13 @@ class Cluster:
     def place_tree(self, tree):
         """Params-shaped pytrees (optimizer states, reference params) onto the training
         devices, on the shardings their parameter names give."""
-        return jax.device_put(tree, parallel.param_shardings(tree, self.train_mesh, self.rules))
+        return parallel.place(tree, parallel.param_shardings(tree, self.train_mesh, self.rules))
+
+    def replicate(self, tree):
+        """Arrays (PRNG keys included) replicated over the training devices: each process
+        places its own copy (they must be equal), so a checkpoint or a jitted step can
+        take them in a multi-process run."""
+        return parallel.place(tree, NamedSharding(self.train_mesh, PartitionSpec()))
 
     def shard_batch(self, x):
         """Host arrays (leading axis = rollout rows) split over the training batch shards."""
@@ -118,6 +152,9 @@ class Cluster:
         [B] int) on the batch sharding, so GSPMD splits the rollouts over the generation
         mesh; every other argument is generate's."""
         rows = parallel.shard_batch(np.asarray(rows, np.int32), self.gen_mesh, self.rules)
-        key = jax.device_put(key, NamedSharding(self.gen_mesh, PartitionSpec()))
+        key = parallel.place(key, NamedSharding(self.gen_mesh, PartitionSpec()))
         with jax.set_mesh(self.gen_mesh):
-            return generate(policy, prompts, rows=rows, key=key, **kwargs)
+            out = generate(policy, prompts, rows=rows, key=key, **kwargs)
+        # multi-process: every process gets all rows (rewards, the queue and the logprob
+        # stage's inputs are host arrays, the same on every process)
+        return out if jax.process_count() == 1 else host_arrays(out)

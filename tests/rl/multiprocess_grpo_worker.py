@@ -1,0 +1,130 @@
+"""One process of the multi-process GRPO test (test_multiprocess_grpo.py).
+
+    python multiprocess_grpo_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR MODE
+
+with 4 / NUM_PROCESSES CPU devices per process (the launcher sets XLA_FLAGS). NUM_PROCESSES > 1
+joins a `jax.distributed` run over 127.0.0.1:PORT through the JAXSPEC_* variables, as
+`scripts/train_grpo.py` does on a cluster. Then the real trainer runs from the short tiny
+config (its own warm-up and in-domain EAGLE-3 initialisation, speculative generation,
+logprob stage, policy and online draft updates, a checkpoint after every step):
+
+- MODE straight: STEPS steps in one go;
+- MODE resume: STEPS - 1 steps, then a new trainer resumes from the checkpoint those
+  processes wrote and runs the last step.
+
+After every step each process gathers the state (policy, optimizer, head, draft optimizer)
+to the host; process 0 writes them, the generated batches and the metrics rows of
+metrics.jsonl to WORKDIR/MODE.npz.
+"""
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+DEVICES = 4  # the mesh's devices in every run, whatever its process count
+STEPS = 3
+MESH = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2"]  # data across processes, tensor inside
+# the tiny config shortened; the comparison's settings are test_train_step.py's (vocabulary
+# rows replicated: 25 tokens do not split over tensor=2; AdamW eps 1e-5 so fp32 rounding
+# of near-zero gradients is not amplified)
+OVERRIDES = [
+    "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
+    "warmup.steps=60", "warmup.batch_size=32", "warmup.draft_rollouts=8",
+    "warmup.draft_steps=4", "run.save_every=1", "run.compare_plain=2",
+    "mesh.rules.vocab=null", "optim.eps=1.0e-5", "draft_optim.eps=1.0e-5", *MESH,
+]
+
+
+def state_arrays(trainer) -> dict:
+    """The trainer's state gathered to this host: {name: [B...] numpy}, the same on every
+    process."""
+    import jax
+
+    from jaxspec.rl.cluster import host_arrays
+
+    s = trainer.state
+    out = {}
+    for name, tree in (("policy", s.policy.params), ("opt", s.opt_state),
+                       ("head", s.head.params), ("draft_opt", s.draft_opt_state)):
+        for i, x in enumerate(jax.tree.leaves(host_arrays(tree))):
+            out[f"{name}_{i}"] = np.asarray(x)
+    return out
+
+
+def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str) -> None:
+    if num_processes > 1:  # as a SLURM / ssh launch would set them (docs/scaling.md)
+        os.environ.update(JAXSPEC_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                          JAXSPEC_NUM_PROCESSES=str(num_processes),
+                          JAXSPEC_PROCESS_ID=str(process_id))
+    import jax
+
+    from jaxspec import parallel
+
+    joined = parallel.initialize_distributed(timeout_s=60)
+    assert joined == (num_processes > 1)
+    assert jax.process_count() == num_processes and jax.local_device_count() == DEVICES
+    # the first DEVICES / num_processes devices of each process (process-major)
+    devices = [d for d in jax.devices()
+               if jax.local_devices(d.process_index).index(d) < DEVICES // num_processes]
+    jax.config.update("jax_disable_most_optimizations", True)  # compile time (both runs)
+
+    from jaxspec.config import load_config
+    from jaxspec.rl.trainer import GRPOTrainer
+
+    run_dir = os.path.join(workdir, mode)
+    out: dict = {}
+    batches = []
+    start = time.perf_counter()
+
+    def on_step(trainer):
+        def record(step, row):
+            for k, v in state_arrays(trainer).items():
+                out[f"s{step}_{k}"] = v
+            b = trainer.last_batch
+            batches.append({"tokens": b.tokens, "lengths": b.lengths,
+                            "gen_logprobs": b.gen_logprobs, "accepted_at": b.stats.accepted_at})
+        return record
+
+    def config(steps, *extra):
+        return load_config(TINY, OVERRIDES + [f"run.dir={run_dir}", f"run.steps={steps}", *extra])
+
+    lines = []
+    log = lines.append
+    if mode == "straight":
+        trainer = GRPOTrainer(config(STEPS), log=log, devices=devices)
+        trainer.run(on_step=on_step(trainer))
+    else:
+        first = GRPOTrainer(config(STEPS - 1), log=log, devices=devices)
+        first.run(on_step=on_step(first))
+        resumed = GRPOTrainer(config(STEPS, "run.resume=true"), log=log, devices=devices)
+        assert resumed.completed == STEPS - 1, resumed.completed
+        resumed.run(on_step=on_step(resumed))
+        trainer = resumed
+    mesh = trainer.train_mesh
+    out["mesh_shape"] = np.asarray([mesh.shape[a] for a in ("data", "fsdp", "tensor")])
+    out["mesh_processes"] = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    out["seconds"] = np.float64(time.perf_counter() - start)
+    for i, b in enumerate(batches):
+        for k, v in b.items():
+            out[f"b{i + 1}_{k}"] = np.asarray(v)
+    if jax.process_index() == 0:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            out["metrics"] = np.asarray(json.dumps([json.loads(line) for line in fh]))
+        out["log"] = np.asarray("\n".join(lines))
+        np.savez(os.path.join(workdir, f"{mode}.npz"), **out)
+    print(f"process {process_id}/{num_processes} {mode}: done in {out['seconds']:.1f}s", flush=True)
+    if num_processes > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("results written")
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
