@@ -40,6 +40,7 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
+    from jaxspec import parallel
     from jaxspec.config import ConfigError, load_config
     from jaxspec.metrics import Console, read_metrics, run_summary
     from jaxspec.rl import faults
@@ -52,6 +53,11 @@ def main(argv=None) -> int:
     with faults.StopSignals(log=console.line) as stop:
         try:
             cfg = load_config(args.config, overrides)
+            try:  # an srun launch or JAXSPEC_* variables join the run; one process: nothing
+                parallel.initialize_distributed()
+            except ValueError as e:  # a malformed JAXSPEC_* variable
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             trainer = GRPOTrainer(cfg, log=console.line)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)

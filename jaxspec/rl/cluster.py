@@ -27,10 +27,10 @@ def is_primary() -> bool:
 
 
 def host_arrays(tree):
-    """`tree` with every array leaf as a numpy array of its global value. An array spread
-    over several processes is all-gathered, so in a multi-process run every process must
-    call this with the same tree (the result is the same everywhere); other leaves are
-    converted in place."""
+    """`tree` with every array leaf as a numpy array of its global value (a typed PRNG key
+    as its key data). An array spread over several processes is all-gathered, so in a
+    multi-process run every process must call this on the same tree, and gets the same
+    result; other leaves stay as they are."""
     def leaf(x):
         if not isinstance(x, jax.Array):
             return np.asarray(x) if isinstance(x, np.generic) else x

@@ -371,8 +371,8 @@ class GRPOTrainer:
         rows = np.sort(rng.choice(b, n, replace=False)) if n < b else np.arange(b)
         sub = [np.asarray(x)[rows] for x in (batch.prompts, batch.prompt_lengths, batch.tokens,
                                                batch.lengths, batch.gen_logprobs)]
-        checked = self.cluster.score(s.policy, None, sub, sampling=self.sampling,
-                                     filtered=self.filtered, micro_batch=0)
+        checked = host_arrays(self.cluster.score(s.policy, None, sub, sampling=self.sampling,
+                                                 filtered=self.filtered, micro_batch=0))
         mask = np.asarray(checked["mask"])
         diff = np.abs(np.asarray(checked["logprobs"], np.float64)
                       - np.asarray(checked["gen_logprobs"], np.float64))[mask]
