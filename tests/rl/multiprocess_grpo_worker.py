@@ -2,9 +2,12 @@
 
     python multiprocess_grpo_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR MODE
 
-with 4 / NUM_PROCESSES CPU devices per process (the launcher sets XLA_FLAGS). NUM_PROCESSES > 1
-joins a `jax.distributed` run over 127.0.0.1:PORT through the JAXSPEC_* variables, as
-`scripts/train_grpo.py` does on a cluster. Then the real trainer runs from the short tiny
+with DEVICES CPU devices in every process (the launcher sets XLA_FLAGS), of which the run
+uses the first DEVICES / NUM_PROCESSES: XLA on CPU rounds a one-device program (the
+warm-up) differently in a process with 1-2 devices than in one with 4, so both runs give
+each process 4. NUM_PROCESSES > 1 joins a `jax.distributed` run over 127.0.0.1:PORT through
+the JAXSPEC_* variables, as `scripts/train_grpo.py` does on a cluster. Then the real trainer
+runs from the short tiny
 config (its own warm-up and in-domain EAGLE-3 initialisation, speculative generation,
 logprob stage, policy and online draft updates, a checkpoint after every step):
 

@@ -1,5 +1,5 @@
 """The GRPO trainer over two JAX processes (jax.distributed over 127.0.0.1, 2 CPU devices
-each) equals the same trainer in one process with 4 CPU devices, on the same mesh
+of each) equals the same trainer in one process with 4 CPU devices, on the same mesh
 (data=2, fsdp=1, tensor=2: the rollout rows split across the processes, the parameters'
 tensor shards inside each, as docs/scaling.md lays a run out over GPU nodes).
 
