@@ -41,6 +41,12 @@ def main(argv=None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
     from jaxspec import parallel
+
+    try:  # an srun launch or JAXSPEC_* variables join one run (docs/scaling.md), before
+        parallel.initialize_distributed()  # anything below touches a device; else nothing
+    except ValueError as e:  # a malformed JAXSPEC_* variable
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from jaxspec.config import ConfigError, load_config
     from jaxspec.metrics import Console, read_metrics, run_summary
     from jaxspec.rl import faults
@@ -53,11 +59,6 @@ def main(argv=None) -> int:
     with faults.StopSignals(log=console.line) as stop:
         try:
             cfg = load_config(args.config, overrides)
-            try:  # an srun launch or JAXSPEC_* variables join the run; one process: nothing
-                parallel.initialize_distributed()
-            except ValueError as e:  # a malformed JAXSPEC_* variable
-                print(f"error: {e}", file=sys.stderr)
-                return 2
             trainer = GRPOTrainer(cfg, log=console.line)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -89,10 +90,15 @@ def main(argv=None) -> int:
 
 def _train(cfg, trainer, stop, config_path, start, console) -> None:
     """The training loop with its progress bar (on a terminal) and one line per step."""
+    import jax
+
     total = cfg.run.steps
     console.line(f"GRPO: {config_path} -> {cfg.run.dir} | draft {cfg.draft.kind} k={cfg.draft.k}"
                  f" | {cfg.rollout.prompts_per_step}x{cfg.rollout.group_size} rollouts/step | "
                  f"{total} steps | ready after {time.perf_counter() - start:.1f}s")
+    if jax.process_count() > 1:
+        console.line(f"process {jax.process_index()} of {jax.process_count()}: "
+                     f"{jax.local_device_count()} of the run's {jax.device_count()} devices")
     console.start(total, initial=trainer.completed)
 
     def on_step(step, row):

@@ -64,8 +64,9 @@ def launch(workdir: pathlib.Path, num_processes: int, mode: str) -> list[subproc
     ]
 
 
-def wait(procs: list[tuple[str, subprocess.Popen]]) -> None:
-    """Wait for every process (bounded); on a time-out or a failure, fail with their logs."""
+def wait(procs: list[tuple[str, subprocess.Popen]], returncode: int = 0) -> dict[str, str]:
+    """Wait for every process (bounded): {name: its output}. On a time-out or another exit
+    code than `returncode`, fail with their logs."""
     deadline = time.monotonic() + TIMEOUT_S
     outputs = {}
     try:
@@ -77,8 +78,9 @@ def wait(procs: list[tuple[str, subprocess.Popen]]) -> None:
         logs = [f"{name}:\n{proc.communicate()[0][-3000:]}" for name, proc in procs]
         pytest.fail(f"the runs timed out after {TIMEOUT_S}s:\n" + "\n---\n".join(logs))
     failed = [f"{name} exited {proc.returncode}:\n{outputs[name][-4000:]}"
-              for name, proc in procs if proc.returncode]
+              for name, proc in procs if proc.returncode != returncode]
     assert not failed, "\n---\n".join(failed)
+    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +156,19 @@ def test_two_process_checkpoint_and_export(runs):
         np.testing.assert_array_equal(np.asarray(x), two[f"s3_policy_{i}"])
     history = [json.loads(line) for line in open(run_dir / "config_history.jsonl")]
     assert [h["resumed_at_step"] for h in history] == [2]
+
+
+def test_the_script_joins_the_processes_of_a_launch(tmp_path):
+    """scripts/train_grpo.py joins a run through the JAXSPEC_* variables (as srun's SLURM_*
+    would) before anything touches a device: two processes of 2 CPU devices see the run's
+    4, which a mesh of 6 devices names in its error (exit 2, before any compilation)."""
+    port = free_port()
+    env = child_env(2)
+    env.update(JAXSPEC_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAXSPEC_NUM_PROCESSES="2")
+    script = HERE.parents[1] / "scripts" / "train_grpo.py"
+    procs = [(f"process {i}", subprocess.Popen(
+        [sys.executable, str(script), str(worker.TINY), f"run.dir={tmp_path}", "mesh.data=6"],
+        env={**env, "JAXSPEC_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)) for i in range(2)]
+    for output in wait(procs, returncode=2).values():
+        assert "error: config key 'mesh'" in output and "but there are 4" in output, output
