@@ -12,8 +12,9 @@ config (its own warm-up and in-domain EAGLE-3 initialisation, speculative genera
 logprob stage, policy and online draft updates, a checkpoint after every step):
 
 - MODE straight: STEPS steps in one go;
-- MODE resume: STEPS - 1 steps, then a new trainer resumes from the checkpoint those
-  processes wrote and runs the last step.
+- MODE resume: the last process gets a SIGTERM after step STEPS - 1; all processes stop
+  there together (faults.StopSignals agrees on it), then a new trainer resumes from the
+  checkpoint they wrote and runs the last step.
 
 After every step each process gathers the state (policy, optimizer, head, draft optimizer)
 to the host; process 0 writes them, the generated batches and the metrics rows of
@@ -23,6 +24,7 @@ metrics.jsonl to WORKDIR/MODE.npz.
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
 
@@ -78,6 +80,7 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
     jax.config.update("jax_disable_most_optimizations", True)  # compile time (both runs)
 
     from jaxspec.config import load_config
+    from jaxspec.rl.faults import Preempted
     from jaxspec.rl.trainer import GRPOTrainer
 
     run_dir = os.path.join(workdir, mode)
@@ -103,8 +106,18 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
         trainer = GRPOTrainer(config(STEPS), log=log, devices=devices)
         trainer.run(on_step=on_step(trainer))
     else:
-        first = GRPOTrainer(config(STEPS - 1), log=log, devices=devices)
-        first.run(on_step=on_step(first))
+        first = GRPOTrainer(config(STEPS), log=log, devices=devices)
+        record = on_step(first)
+
+        def preempt_the_last_process(step, row):
+            record(step, row)
+            if step == STEPS - 1 and process_id == num_processes - 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice to one node only
+
+        try:
+            first.run(on_step=preempt_the_last_process)
+        except Preempted as e:  # every process: they agree on the signal of one
+            out["preempted"] = np.asarray(f"{e.step} {e.signame}")
         resumed = GRPOTrainer(config(STEPS, "run.resume=true"), log=log, devices=devices)
         assert resumed.completed == STEPS - 1, resumed.completed
         resumed.run(on_step=on_step(resumed))

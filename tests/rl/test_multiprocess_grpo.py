@@ -6,8 +6,9 @@ tensor shards inside each, as docs/scaling.md lays a run out over GPU nodes).
 Both runs are the real trainer from the short tiny config in `multiprocess_grpo_worker.py`:
 warm-up, in-domain EAGLE-3 initialisation, speculative generation (plus the plain replay
 check), the logprob stage, the GRPO and online draft updates, a checkpoint every step and
-the export. The two-process run stops after step 2 and resumes from the checkpoint its two
-processes wrote; the one-process run goes straight through. Tolerances are the sharded
+the export. In the two-process run process 1 alone gets a SIGTERM after step 2: both stop
+there, and a new trainer in each resumes from the checkpoint they wrote; the one-process
+run goes straight through. Tolerances are the sharded
 single-process tests' (tests/parallel/test_train_step.py): tokens, lengths and accepted
 drafts identical, generation log-probs within 1e-5, non-timing metrics within 1e-5
 (relative above 1), parameters and optimizer states within 1e-5.
@@ -155,7 +156,14 @@ def test_two_process_checkpoint_and_export(runs):
     for i, x in enumerate(jax.tree.leaves(exported.params)):
         np.testing.assert_array_equal(np.asarray(x), two[f"s3_policy_{i}"])
     history = [json.loads(line) for line in open(run_dir / "config_history.jsonl")]
-    assert [h["resumed_at_step"] for h in history] == [2]
+    assert history[0]["resumed_at_step"] == 2 and history[0]["changes"] == {}
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_step(runs):
+    _, two, _ = runs
+    # process 0 got no signal: it stopped on the agreed flag of process 1 (faults.StopSignals)
+    assert str(two["preempted"]) == "2 a stop signal (on another process)"
+    assert "SIGTERM" not in str(two["log"])  # (process 0's log; process 1 logged the signal)
 
 
 def test_the_script_joins_the_processes_of_a_launch(tmp_path):
