@@ -109,6 +109,28 @@ class Cluster:
         take them in a multi-process run."""
         return parallel.place(tree, NamedSharding(self.train_mesh, PartitionSpec()))
 
+    def restore_target(self, tree: dict) -> dict:
+        """An abstract checkpoint tree (`RunState.tree()` shapes) with the training shardings
+        on its model and optimizer arrays (and the replicated ones on the run key and a
+        head's buffers), so a restore lands there whatever devices saved it."""
+        mesh, rules = self.train_mesh, self.rules
+        replicated = NamedSharding(mesh, PartitionSpec())
+
+        def on_rules(x):
+            return parallel.restore_target(x, parallel.param_shardings(x, mesh, rules))
+
+        out = dict(tree)
+        for name in ("policy", "opt", "ref", "draft_opt", "draft_model"):
+            if name in out:
+                out[name] = on_rules(out[name])
+        out["key"] = parallel.restore_target(out["key"], replicated)
+        if "head" in out:
+            head = out["head"]
+            out["head"] = dataclasses.replace(
+                head, params=parallel.restore_target(head.params, parallel.param_shardings(
+                    head, mesh, rules)), buffers=parallel.restore_target(head.buffers, replicated))
+        return out
+
     def shard_batch(self, x):
         """Host arrays (leading axis = rollout rows) split over the training batch shards."""
         return parallel.shard_batch(x, self.train_mesh, self.rules)
