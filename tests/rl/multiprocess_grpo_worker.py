@@ -11,7 +11,8 @@ runs from the short tiny
 config (its own warm-up and in-domain EAGLE-3 initialisation, speculative generation,
 logprob stage, policy and online draft updates, a checkpoint after every step):
 
-- MODE straight: STEPS steps in one go;
+- MODE straight: STEPS steps in one go; then, in the same process, a trainer resumes the
+  two-process run's checkpoint of step STEPS - 1 and runs the last step (`resume_here`);
 - MODE resume: the last process gets a SIGTERM after step STEPS - 1; all processes stop
   there together (faults.StopSignals agrees on it), then a new trainer resumes from the
   checkpoint they wrote and runs the last step.
@@ -24,6 +25,7 @@ metrics.jsonl to WORKDIR/MODE.npz.
 import json
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import time
@@ -60,6 +62,31 @@ def state_arrays(trainer) -> dict:
         for i, x in enumerate(jax.tree.leaves(host_arrays(tree))):
             out[f"{name}_{i}"] = np.asarray(x)
     return out
+
+
+def resume_here(workdir: str, config, devices, out: dict) -> None:
+    """One process resumes the checkpoint of step STEPS - 1 that the two-process run writes
+    (a topology it was not saved on), once it is there, and runs the last step: its state
+    and tokens go to `out` as r{STEPS}_*."""
+    from jaxspec.rl.trainer import GRPOTrainer
+
+    source = os.path.join(workdir, "resume")
+    saved = os.path.join(source, "checkpoints", str(STEPS - 1))  # orbax renames it when final
+    deadline = time.monotonic() + 240
+    while not os.path.isdir(saved):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the two-process run wrote no {saved}")
+        time.sleep(0.2)
+    run_dir = os.path.join(workdir, "resumed_here")
+    shutil.copytree(saved, os.path.join(run_dir, "checkpoints", str(STEPS - 1)))
+    shutil.copy(os.path.join(source, "config.yaml"), run_dir)
+    cfg = config(STEPS, "run.resume=true", f"run.dir={run_dir}")
+    trainer = GRPOTrainer(cfg, devices=devices, log=lambda line: None)
+    assert trainer.completed == STEPS - 1, trainer.completed
+    trainer.step()
+    for k, v in state_arrays(trainer).items():
+        out[f"r{STEPS}_{k}"] = v
+    out[f"r{STEPS}_tokens"] = trainer.last_batch.tokens
 
 
 def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str) -> None:
@@ -105,6 +132,7 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
     if mode == "straight":
         trainer = GRPOTrainer(config(STEPS), log=log, devices=devices)
         trainer.run(on_step=on_step(trainer))
+        resume_here(workdir, config, devices, out)
     else:
         first = GRPOTrainer(config(STEPS), log=log, devices=devices)
         record = on_step(first)

@@ -8,7 +8,7 @@ warm-up, in-domain EAGLE-3 initialisation, speculative generation (plus the plai
 check), the logprob stage, the GRPO and online draft updates, a checkpoint every step and
 the export. In the two-process run process 1 alone gets a SIGTERM after step 2: both stop
 there, and a new trainer in each resumes from the checkpoint they wrote; the one-process
-run goes straight through. Tolerances are the sharded
+run goes straight through, then resumes the two processes' checkpoint of step 2 itself. Tolerances are the sharded
 single-process tests' (tests/parallel/test_train_step.py): tokens, lengths and accepted
 drafts identical, generation log-probs within 1e-5, non-timing metrics within 1e-5
 (relative above 1), parameters and optimizer states within 1e-5.
@@ -180,3 +180,15 @@ def test_the_script_joins_the_processes_of_a_launch(tmp_path):
         stderr=subprocess.STDOUT, text=True)) for i in range(2)]
     for output in wait(procs, returncode=2).values():
         assert "error: config key 'mesh'" in output and "but there are 4" in output, output
+
+
+def test_one_process_resumes_the_two_process_checkpoint(runs):
+    """The checkpoint of step 2 that two processes wrote resumes in one process (a topology
+    it was not saved on: `multiprocess_grpo_worker.resume_here`), and its step 3 equals the
+    one-process run's."""
+    _, _, one = runs
+    np.testing.assert_array_equal(one["r3_tokens"], one["b3_tokens"])
+    keys = [k for k in one if k.startswith("s3_")]
+    assert len(keys) == sum(k.startswith("r3_") for k in one) - 1
+    for k in keys:
+        np.testing.assert_allclose(one["r" + k[1:]], one[k], rtol=0, atol=1e-5, err_msg=k)
