@@ -144,7 +144,8 @@ class CheckpointManager:
         `target` is a pytree like the saved state whose array leaves are arrays or
         jax.ShapeDtypeStructs (e.g. from jax.eval_shape); arrays are restored with its
         dtypes and shardings, and the tree takes its structure. Without a target, the
-        saved structure comes back as nested dicts/lists with arrays on one device.
+        saved structure comes back as nested dicts/lists with arrays on their saved
+        shardings where this process has those devices, else on one device.
         Typed PRNG keys come back as typed keys either way."""
         self.wait()
         steps = self.all_steps()
@@ -157,8 +158,9 @@ class CheckpointManager:
         elif step not in steps:
             raise CheckpointNotFoundError(
                 f"no checkpoint for step {step} in {self.directory!r}; saved steps: {steps}")
-        if target is None:
-            state_args = ocp.args.StandardRestore()
+        if target is None:  # saved on devices this process lacks (other hosts): one device
+            state_args = ocp.args.StandardRestore(
+                fallback_sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         else:
             state_args = ocp.args.StandardRestore(jax.tree.map(_abstract, target))
         restored = self._manager.restore(step, args=ocp.args.Composite(**{

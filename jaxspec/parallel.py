@@ -46,6 +46,7 @@ __all__ = [
     "logical_to_mesh",
     "make_mesh",
     "param_shardings",
+    "place",
     "resolve_rules",
     "restore_target",
     "shard_batch",
@@ -254,6 +255,9 @@ def _place(x, sharding):
     everywhere)."""
     if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _place(jax.random.key_data(x), sharding)  # key data: one trailing axis, whole
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -262,6 +266,14 @@ def _place_tree(tree, shardings):
     if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(lambda x: _place(x, shardings), tree)
     return jax.tree.map(_place, tree, shardings)
+
+
+def place(tree, shardings):
+    """`tree` (host values, or arrays of this process) on `shardings` (a matching tree, or one
+    Sharding for every leaf). A multi-process sharding takes each process's own shards from
+    its copy of the value, with no cross-process traffic: every process must hold the same
+    value."""
+    return _place_tree(tree, shardings)
 
 
 def shard_policy(policy, mesh: Mesh, rules: Mapping[str, Any] | None = None):

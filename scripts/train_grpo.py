@@ -40,6 +40,13 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
+    from jaxspec import parallel
+
+    try:  # an srun launch or JAXSPEC_* variables join one run (docs/scaling.md), before
+        parallel.initialize_distributed()  # anything below touches a device; else nothing
+    except ValueError as e:  # a malformed JAXSPEC_* variable
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from jaxspec.config import ConfigError, load_config
     from jaxspec.metrics import Console, read_metrics, run_summary
     from jaxspec.rl import faults
@@ -83,10 +90,15 @@ def main(argv=None) -> int:
 
 def _train(cfg, trainer, stop, config_path, start, console) -> None:
     """The training loop with its progress bar (on a terminal) and one line per step."""
+    import jax
+
     total = cfg.run.steps
     console.line(f"GRPO: {config_path} -> {cfg.run.dir} | draft {cfg.draft.kind} k={cfg.draft.k}"
                  f" | {cfg.rollout.prompts_per_step}x{cfg.rollout.group_size} rollouts/step | "
                  f"{total} steps | ready after {time.perf_counter() - start:.1f}s")
+    if jax.process_count() > 1:
+        console.line(f"process {jax.process_index()} of {jax.process_count()}: "
+                     f"{jax.local_device_count()} of the run's {jax.device_count()} devices")
     console.start(total, initial=trainer.completed)
 
     def on_step(step, row):

@@ -15,9 +15,37 @@ from jaxspec import parallel
 from jaxspec.decoding.engine import generate
 from jaxspec.rl.steps import score_rollouts
 
-__all__ = ["Cluster", "mesh_sizes"]
+__all__ = ["Cluster", "host_arrays", "is_primary", "mesh_sizes"]
 
 _SCORED_INPUTS = ("prompts", "prompt_lengths", "tokens", "lengths", "gen_logprobs")
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run's files (metrics, config, exports): process 0 of
+    a multi-process run, the only process otherwise. Checkpoints are written by all."""
+    return jax.process_index() == 0
+
+
+def host_arrays(tree):
+    """`tree` with every array leaf as a numpy array of its global value (a typed PRNG key
+    as its key data). An array spread over several processes is all-gathered, so in a
+    multi-process run every process must call this on the same tree, and gets the same
+    result; other leaves stay as they are."""
+    def leaf(x):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x) if isinstance(x, np.generic) else x
+        if x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(jax.random.key_data(x)) if _is_key(x) else np.asarray(x)
+        from jax.experimental import multihost_utils
+
+        data = jax.random.key_data(x) if _is_key(x) else x
+        return np.asarray(multihost_utils.process_allgather(data, tiled=True))
+
+    return jax.tree.map(leaf, tree)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def mesh_sizes(mesh_cfg, n_generation: int, n_training: int) -> dict[str, tuple[int, int, int]]:
@@ -73,7 +101,35 @@ class Cluster:
     def place_tree(self, tree):
         """Params-shaped pytrees (optimizer states, reference params) onto the training
         devices, on the shardings their parameter names give."""
-        return jax.device_put(tree, parallel.param_shardings(tree, self.train_mesh, self.rules))
+        return parallel.place(tree, parallel.param_shardings(tree, self.train_mesh, self.rules))
+
+    def replicate(self, tree):
+        """Arrays (PRNG keys included) replicated over the training devices: each process
+        places its own copy (they must be equal), so a checkpoint or a jitted step can
+        take them in a multi-process run."""
+        return parallel.place(tree, NamedSharding(self.train_mesh, PartitionSpec()))
+
+    def restore_target(self, tree: dict) -> dict:
+        """An abstract checkpoint tree (`RunState.tree()` shapes) with the training shardings
+        on its model and optimizer arrays (and the replicated ones on the run key and a
+        head's buffers), so a restore lands there whatever devices saved it."""
+        mesh, rules = self.train_mesh, self.rules
+        replicated = NamedSharding(mesh, PartitionSpec())
+
+        def on_rules(x):
+            return parallel.restore_target(x, parallel.param_shardings(x, mesh, rules))
+
+        out = dict(tree)
+        for name in ("policy", "opt", "ref", "draft_opt", "draft_model"):
+            if name in out:
+                out[name] = on_rules(out[name])
+        out["key"] = parallel.restore_target(out["key"], replicated)
+        if "head" in out:
+            head = out["head"]
+            out["head"] = dataclasses.replace(
+                head, params=parallel.restore_target(head.params, parallel.param_shardings(
+                    head, mesh, rules)), buffers=parallel.restore_target(head.buffers, replicated))
+        return out
 
     def shard_batch(self, x):
         """Host arrays (leading axis = rollout rows) split over the training batch shards."""
@@ -118,6 +174,9 @@ class Cluster:
         [B] int) on the batch sharding, so GSPMD splits the rollouts over the generation
         mesh; every other argument is generate's."""
         rows = parallel.shard_batch(np.asarray(rows, np.int32), self.gen_mesh, self.rules)
-        key = jax.device_put(key, NamedSharding(self.gen_mesh, PartitionSpec()))
+        key = parallel.place(key, NamedSharding(self.gen_mesh, PartitionSpec()))
         with jax.set_mesh(self.gen_mesh):
-            return generate(policy, prompts, rows=rows, key=key, **kwargs)
+            out = generate(policy, prompts, rows=rows, key=key, **kwargs)
+        # multi-process: every process gets all rows (rewards, the queue and the logprob
+        # stage's inputs are host arrays, the same on every process)
+        return out if jax.process_count() == 1 else host_arrays(out)

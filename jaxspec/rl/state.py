@@ -153,15 +153,20 @@ def save_checkpoint(directory: str, state: RunState, *, prompts_per_step: int,
 
 
 def restore_checkpoint(directory: str, step: int, state: RunState,
-                       queue_entry: Callable[[], Any]) -> None:
+                       queue_entry: Callable[[], Any],
+                       shardings: Callable[[dict], dict] | None = None) -> None:
     """Fill `state` (whose models may be abstract) from the checkpoint of `step`, onto the
-    shardings its arrays have; `queue_entry()` is an abstract RolloutBatch."""
+    shardings its arrays have, or those `shardings(target)` gives the abstract checkpoint
+    tree (the training devices: needed where the checkpoint was saved on other devices,
+    e.g. by another number of processes); `queue_entry()` is an abstract RolloutBatch."""
     with CheckpointManager(directory, create=False) as mgr:
         _, meta = mgr.restore(step)  # the meta says how long the queue is
     state.queue = [queue_entry() for _ in meta["queue"]]
     if state.ref_params is not None and state.ref_saved:
         state.ref_params = jax.eval_shape(lambda p: p, state.policy.params)
     target = jax.eval_shape(lambda s: s, state.tree())
+    if shardings is not None:
+        target = shardings(target)
     with CheckpointManager(directory, create=False) as mgr:
         tree, meta = mgr.restore(step, target=target)
     state.policy = state.policy.replace(params=tree["policy"])

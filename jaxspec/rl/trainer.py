@@ -47,12 +47,12 @@ from jaxspec import parallel
 from jaxspec.config import Config, ConfigError
 from jaxspec.config import save as save_config
 from jaxspec.decoding.history import HistoryStore
-from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary
+from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary, scalar_metrics
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.mtp import save_mtp
 from jaxspec.rl.build import build_draft_model, build_policy, export_models
-from jaxspec.rl.cluster import Cluster
+from jaxspec.rl.cluster import Cluster, host_arrays, is_primary
 from jaxspec.rl.drafting import DraftLearner
 from jaxspec.rl.faults import Diverged, Preempted, SaveFailed, StopSignals, all_finite
 from jaxspec.rl.grpo import group_advantages
@@ -98,6 +98,20 @@ class ReuseMismatch(RuntimeError):
 
 def _copy(tree):
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
+
+
+class _RowsOnly:
+    """MetricsWriter's rows, no files: the processes after process 0 of a multi-process
+    run (process 0 writes metrics.jsonl)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        return {"step": int(step), **scalar_metrics(metrics)}
 
 
 def _state_field(name: str) -> property:
@@ -202,7 +216,8 @@ class GRPOTrainer:
             h, r = cfg.draft.history, cfg.rollout
             history = HistoryStore.empty(h.prompts, h.per_prompt,
                                          r.max_prompt_len + r.max_new_tokens)
-        return RunState(policy=policy, opt_state=opt_state, key=jax.random.key(cfg.run.seed),
+        key = self.cluster.replicate(jax.random.key(cfg.run.seed))  # multi-process: global
+        return RunState(policy=policy, opt_state=opt_state, key=key,
                         ref_params=ref_params, ref_saved=ref_saved, head=head,
                         draft_opt_state=draft_opt_state, draft_model=draft_model,
                         history=history)
@@ -243,7 +258,8 @@ class GRPOTrainer:
         r = self.cfg.rollout
         ckpt = _checkpoint_dir(self.cfg)
         restore_checkpoint(ckpt, step, self.state, lambda: abstract_batch(
-            self.batch_size, r.max_prompt_len, r.max_new_tokens, depth))
+            self.batch_size, r.max_prompt_len, r.max_new_tokens, depth),
+            shardings=self.cluster.restore_target)
         self.log(f"resumed from {ckpt} at step {self.completed}")
 
     # ------------------------------------------------------------------ one step
@@ -356,8 +372,8 @@ class GRPOTrainer:
         rows = np.sort(rng.choice(b, n, replace=False)) if n < b else np.arange(b)
         sub = [np.asarray(x)[rows] for x in (batch.prompts, batch.prompt_lengths, batch.tokens,
                                                batch.lengths, batch.gen_logprobs)]
-        checked = self.cluster.score(s.policy, None, sub, sampling=self.sampling,
-                                     filtered=self.filtered, micro_batch=0)
+        checked = host_arrays(self.cluster.score(s.policy, None, sub, sampling=self.sampling,
+                                                 filtered=self.filtered, micro_batch=0))
         mask = np.asarray(checked["mask"])
         diff = np.abs(np.asarray(checked["logprobs"], np.float64)
                       - np.asarray(checked["gen_logprobs"], np.float64))[mask]
@@ -426,8 +442,9 @@ class GRPOTrainer:
         self.log(f"generation compiled ({time.perf_counter() - start:.1f}s)")
         resume = self.completed if self.plan.resume_step is not None else None
         try:
-            row = self._loop(MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn),
-                             stop, on_step)
+            writer = (MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn)
+                      if is_primary() else _RowsOnly())
+            row = self._loop(writer, stop, on_step)
         except OSError as e:  # metrics.jsonl or tb/ cannot be written
             raise SaveFailed("the metrics", e.filename or cfg.run.dir, e,
                              self.saved_step) from e
@@ -437,8 +454,11 @@ class GRPOTrainer:
     def write_config(self) -> None:
         """<run.dir>/config.yaml: the resolved config of the run's first start, kept as it is
         on resume; each resume appends {step, time, changes: {key: [saved, now]}} to
-        <run.dir>/config_history.jsonl, so what a resumed run changed is on record."""
+        <run.dir>/config_history.jsonl, so what a resumed run changed is on record.
+        Multi-process: process 0 writes them."""
         cfg = self.cfg
+        if not is_primary():
+            return
         path = saved_config_path(cfg)
         try:
             os.makedirs(cfg.run.dir, exist_ok=True)
@@ -495,16 +515,20 @@ class GRPOTrainer:
         generation_config.json and special ids: `AutoTokenizer` and a server use it as it is)
         and an MTP head to <run.dir>/mtp (the DeepSeek-V3 layout: `draft.hf_path` reads it back)
         and an EAGLE-3 head to <run.dir>/eagle3 (the vLLM / SGLang layout, the captured layers
-        in both servers' fields), for serving or scripts/bench_rollout.py."""
+        in both servers' fields), for serving or scripts/bench_rollout.py. Multi-process:
+        every process gathers the models, process 0 writes them."""
         finite, bad = all_finite([self.policy, self.head])
         if not finite:
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
                            f"tensors: not exported", step=self.completed)
+        policy, head = host_arrays((self.policy, self.head))
+        if not is_primary():
+            return
         try:
-            head = None if self.cfg.draft.kind == "mtp" else self.head  # EAGLE-3 (or None)
             if self.cfg.draft.kind == "mtp":  # the DeepSeek-V3 layout, beside the policy
-                save_mtp(self.head, os.path.join(self.cfg.run.dir, "mtp"), policy=self.policy)
-            export_models(self.cfg.run.dir, self.policy, head,
+                save_mtp(head, os.path.join(self.cfg.run.dir, "mtp"), policy=policy)
+            head = None if self.cfg.draft.kind == "mtp" else head  # EAGLE-3 (or None)
+            export_models(self.cfg.run.dir, policy, head,
                           source=self.cfg.model.hf_path,
                           tokenizer=self.tokenizer if self.cfg.model.hf_path is None else None)
         except OSError as e:

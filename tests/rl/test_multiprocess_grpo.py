@@ -1,0 +1,194 @@
+"""The GRPO trainer over two JAX processes (jax.distributed over 127.0.0.1, 2 CPU devices
+of each) equals the same trainer in one process with 4 CPU devices, on the same mesh
+(data=2, fsdp=1, tensor=2: the rollout rows split across the processes, the parameters'
+tensor shards inside each, as docs/scaling.md lays a run out over GPU nodes).
+
+Both runs are the real trainer from the short tiny config in `multiprocess_grpo_worker.py`:
+warm-up, in-domain EAGLE-3 initialisation, speculative generation (plus the plain replay
+check), the logprob stage, the GRPO and online draft updates, a checkpoint every step and
+the export. In the two-process run process 1 alone gets a SIGTERM after step 2: both stop
+there, and a new trainer in each resumes from the checkpoint they wrote; the one-process
+run goes straight through, then resumes the two processes' checkpoint of step 2 itself. Tolerances are the sharded
+single-process tests' (tests/parallel/test_train_step.py): tokens, lengths and accepted
+drafts identical, generation log-probs within 1e-5, non-timing metrics within 1e-5
+(relative above 1), parameters and optimizer states within 1e-5.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import multiprocess_grpo_worker as worker
+import numpy as np
+import pytest
+
+from jaxspec.checkpoint import CheckpointManager
+from jaxspec.models import load_hf
+
+HERE = pathlib.Path(__file__).resolve().parent
+TIMEOUT_S = 300  # for both runs together
+TIMING = ("time/", "share/", "generation_time_s", "generation_plain_time_s", "generation_speedup")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(devices: int) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR", "JAXSPEC_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")]))
+    cache_dir = jax.config.jax_compilation_cache_dir  # the suite's compilation cache
+    if cache_dir:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def launch(workdir: pathlib.Path, num_processes: int, mode: str) -> list[subprocess.Popen]:
+    port = free_port()
+    return [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "multiprocess_grpo_worker.py"), str(i), str(num_processes),
+             str(port), str(workdir), mode],
+            env=child_env(worker.DEVICES), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        for i in range(num_processes)
+    ]
+
+
+def wait(procs: list[tuple[str, subprocess.Popen]], returncode: int = 0) -> dict[str, str]:
+    """Wait for every process (bounded): {name: its output}. On a time-out or another exit
+    code than `returncode`, fail with their logs."""
+    deadline = time.monotonic() + TIMEOUT_S
+    outputs = {}
+    try:
+        for name, proc in procs:
+            outputs[name] = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        for _, proc in procs:
+            proc.kill()
+        logs = [f"{name}:\n{proc.communicate()[0][-3000:]}" for name, proc in procs]
+        pytest.fail(f"the runs timed out after {TIMEOUT_S}s:\n" + "\n---\n".join(logs))
+    failed = [f"{name} exited {proc.returncode}:\n{outputs[name][-4000:]}"
+              for name, proc in procs if proc.returncode != returncode]
+    assert not failed, "\n---\n".join(failed)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(workdir, the two-process results, the one-process results); the runs overlap."""
+    workdir = tmp_path_factory.mktemp("multiprocess_grpo")
+    procs = [(f"two processes, process {i}", p) for i, p in enumerate(launch(workdir, 2, "resume"))]
+    procs.append(("one process", launch(workdir, 1, "straight")[0]))
+    wait(procs)
+    with np.load(workdir / "resume.npz") as two, np.load(workdir / "straight.npz") as one:
+        return workdir, dict(two), dict(one)
+
+
+def metric_rows(results) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING)}
+            for row in json.loads(str(results["metrics"]))]
+
+
+def test_two_processes_equal_one_process(runs):
+    _, two, one = runs
+    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 2])
+    np.testing.assert_array_equal(one["mesh_shape"], [2, 1, 2])
+    np.testing.assert_array_equal(two["mesh_processes"], [[[0, 0]], [[1, 1]]])  # data across
+    np.testing.assert_array_equal(one["mesh_processes"], np.zeros((2, 1, 2)))
+    for step in range(1, worker.STEPS + 1):
+        for k in ("tokens", "lengths", "accepted_at"):
+            np.testing.assert_array_equal(two[f"b{step}_{k}"], one[f"b{step}_{k}"], err_msg=(step, k))
+        np.testing.assert_allclose(two[f"b{step}_gen_logprobs"], one[f"b{step}_gen_logprobs"],
+                                   rtol=0, atol=1e-5)
+        keys = [k for k in one if k.startswith(f"s{step}_")]
+        assert keys and sorted(keys) == sorted(k for k in two if k.startswith(f"s{step}_"))
+        for k in keys:
+            np.testing.assert_allclose(two[k], one[k], rtol=0, atol=1e-5, err_msg=k)
+    rows_two, rows_one = metric_rows(two), metric_rows(one)
+    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2, 3]
+    for got, want in zip(rows_two, rows_one, strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), (got["step"], key, got[key], value)
+
+
+def test_the_runs_train_and_speculate(runs):
+    """The comparison is not vacuous: drafts were accepted, speculative decoding replayed
+    plain decoding, and the policy and the head moved at every step."""
+    _, _, one = runs
+    rows = metric_rows(one)
+    assert sum(r["acceptance_length"] > 1.0 for r in rows) >= 2
+    assert all(r["replay_identical"] == 1.0 for r in rows if "replay_identical" in r)
+    assert all(r["grpo/grad_norm"] > 0 and r["draft/loss"] > 0 for r in rows)
+    for name in ("policy", "head"):
+        for step in range(2, worker.STEPS + 1):
+            moved = max(np.abs(one[f"s{step}_{k[3:]}"] - one[f"s{step - 1}_{k[3:]}"]).max()
+                        for k in one if k.startswith(f"s{step}_{name}_"))
+            assert moved > 1e-4, (name, step)
+
+
+def test_two_process_checkpoint_and_export(runs):
+    """The two processes wrote one checkpoint per step (the resume read step 2's), and
+    process 0 the metrics, the config and the export; they hold the state they saw."""
+    workdir, two, _ = runs
+    run_dir = workdir / "resume"
+    with CheckpointManager(run_dir / "checkpoints", create=False) as manager:
+        assert manager.all_steps() == [1, 2, 3]
+        state, meta = manager.restore(2)  # here, one process, no target: host arrays
+    assert meta["step"] == 2
+    for name, tree in (("policy", state["policy"]), ("head", state["head"]["params"])):
+        leaves = jax.tree.leaves(tree)
+        assert len(leaves) == sum(k.startswith(f"s2_{name}_") for k in two)
+        for i, x in enumerate(leaves):
+            np.testing.assert_array_equal(np.asarray(x), two[f"s2_{name}_{i}"], err_msg=(name, i))
+    exported = load_hf(run_dir / "policy")
+    for i, x in enumerate(jax.tree.leaves(exported.params)):
+        np.testing.assert_array_equal(np.asarray(x), two[f"s3_policy_{i}"])
+    history = [json.loads(line) for line in open(run_dir / "config_history.jsonl")]
+    assert history[0]["resumed_at_step"] == 2 and history[0]["changes"] == {}
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_step(runs):
+    _, two, _ = runs
+    # process 0 got no signal: it stopped on the agreed flag of process 1 (faults.StopSignals)
+    assert str(two["preempted"]) == "2 a stop signal (on another process)"
+    assert "SIGTERM" not in str(two["log"])  # (process 0's log; process 1 logged the signal)
+
+
+def test_the_script_joins_the_processes_of_a_launch(tmp_path):
+    """scripts/train_grpo.py joins a run through the JAXSPEC_* variables (as srun's SLURM_*
+    would) before anything touches a device: two processes of 2 CPU devices see the run's
+    4, which a mesh of 6 devices names in its error (exit 2, before any compilation)."""
+    port = free_port()
+    env = child_env(2)
+    env.update(JAXSPEC_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAXSPEC_NUM_PROCESSES="2")
+    script = HERE.parents[1] / "scripts" / "train_grpo.py"
+    procs = [(f"process {i}", subprocess.Popen(
+        [sys.executable, str(script), str(worker.TINY), f"run.dir={tmp_path}", "mesh.data=6"],
+        env={**env, "JAXSPEC_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)) for i in range(2)]
+    for output in wait(procs, returncode=2).values():
+        assert "error: config key 'mesh'" in output and "but there are 4" in output, output
+
+
+def test_one_process_resumes_the_two_process_checkpoint(runs):
+    """The checkpoint of step 2 that two processes wrote resumes in one process (a topology
+    it was not saved on: `multiprocess_grpo_worker.resume_here`), and its step 3 equals the
+    one-process run's."""
+    _, _, one = runs
+    np.testing.assert_array_equal(one["r3_tokens"], one["b3_tokens"])
+    keys = [k for k in one if k.startswith("s3_")]
+    assert len(keys) == sum(k.startswith("r3_") for k in one) - 1
+    for k in keys:
+        np.testing.assert_allclose(one["r" + k[1:]], one[k], rtol=0, atol=1e-5, err_msg=k)
