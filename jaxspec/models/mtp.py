@@ -328,11 +328,6 @@ def load_mtp(path, *, dtype: str | None = None, attention_backend: str = "refere
     where = _tensor_files(path)
     layout = mtp_layout(where)
     table = _mtp_table(cfg, layout)
-    missing = [name for name, *_ in table if name not in where]
-    if missing:
-        raise HFCheckpointError(f"{path}: the MTP layer lacks {missing[:4]}"
-                                + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-                                + f" (read as the {layout} layout)")
     known = {name for name, *_ in table}
     shared = {_prefixes(layout, cfg)[0] + n for n in ("embed_tokens.weight", "shared_head.head.weight")}
     unknown = sorted(n for n in where if _in_first_layer(layout, cfg, n) and n not in known | shared)
@@ -341,6 +336,11 @@ def load_mtp(path, *, dtype: str | None = None, attention_backend: str = "refere
                                 f"map: {unknown[:4]}" + (f" and {len(unknown) - 4} more"
                                                         if len(unknown) > 4 else "")
                                 + f" ({_unsupported(unknown)})")
+    missing = [name for name, *_ in table if name not in where]
+    if missing:
+        raise HFCheckpointError(f"{path}: the MTP layer lacks {missing[:4]}"
+                                + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                                + f" (read as the {layout} layout)")
     tensors = {}
     for f_name in sorted({where[name] for name in known}):
         with _open(f_name) as f:
