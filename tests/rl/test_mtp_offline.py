@@ -49,6 +49,8 @@ def test_offline_mtp_lowers_its_loss_and_writes_a_head_that_drafts(tmp_path, cap
                         sampling=SamplingConfig(), max_new_tokens=cfg.rollout.max_new_tokens,
                         key=jax.random.key(11), stop_tokens=(task.tokenizer.eos_id,))
 
+    # Measured (fixed keys): loss 7.82 -> 2.62 over 40 steps; 1.20 vs 1.01 tokens per
+    # policy forward (32 prompts). The thresholds sit midway.
     trained, fresh = rollouts(head), rollouts(MTPHead.init_for(policy, jax.random.key(5)))
     np.testing.assert_array_equal(trained.tokens, fresh.tokens)
     assert trained.stats.acceptance_length > fresh.stats.acceptance_length + 0.1, (
