@@ -1,6 +1,6 @@
-"""Draft initialisation and training: the EAGLE-3 head built
-from a warmed-up policy (in-domain offline initialisation, as the paper recommends), and the
-online update the RL step runs. `scripts/train_draft.py` uses this part alone."""
+"""Draft initialisation and training: the EAGLE-3 or MTP head built from a warmed-up policy
+(in-domain offline initialisation, as the EAGLE-3 paper recommends), and the online update the
+RL step runs. `scripts/train_draft.py` uses this part alone."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ class DraftLearner:
                             loss_cfg=self.loss_cfg)
 
     def build_mtp_head(self, policy, *, resuming: bool):
-        """The MTP head of draft.kind mtp: loaded from draft.hf_path (DeepSeek-V3 layout), or
-        fresh; the shapes a checkpoint restores into when resuming. Trained online from the
+        """The MTP head of draft.kind mtp: loaded from draft.hf_path (any of the layouts
+        load_mtp reads, e.g. one train_draft.py wrote), or fresh; the shapes a checkpoint restores into when resuming. Trained online from the
         first step. Returns (head, optimizer state)."""
         key = jax.random.fold_in(jax.random.key(self.cfg.run.seed), 1)
         if resuming:
@@ -89,9 +89,35 @@ class DraftLearner:
         reference policy, or None) only makes the scoring program the RL step's own, so
         both compile once. Returns (head, optimizer state); `history` gets the per-step
         metrics ('draft') and the token counts ('draft_token_counts')."""
+        start = time.perf_counter()
+        corpus, train_step = self._offline(policy, key, ref_params)
+        head, opt_state, steps = init_eagle3_head(
+            policy, corpus, draft_vocab_size=draft_vocab_size, key=key,
+            steps=self.cfg.warmup.draft_steps, opt_state_init=self.optimizer.init,
+            train_step=train_step, capture_layers=self.cfg.draft.layers)
+        self._report(history, corpus, steps, start)
+        return head, opt_state
+
+    def init_mtp_head(self, policy, key: jax.Array, *, history: dict | None = None):
+        """The offline initialisation of an MTP head (scripts/train_draft.py, draft.kind
+        mtp): a fresh head trained warmup.draft_steps steps of the online MTP update on the
+        policy's own rollouts, as `init_head` does for EAGLE-3. Returns (head, opt_state)."""
+        start = time.perf_counter()
+        corpus, train_step = self._offline(policy, key, None)
+        head = MTPHead.init_for(policy, key)
+        opt_state, steps = self.init_state(head), []
+        for step in range(self.cfg.warmup.draft_steps):
+            head, opt_state, metrics = train_step(head, opt_state,
+                                                  corpus.batches[step % len(corpus.batches)])
+            steps.append({k: float(v) for k, v in metrics.items()})
+        self._report(history, corpus, steps, start)
+        return head, opt_state
+
+    def _offline(self, policy, key: jax.Array, ref_params):
+        """(corpus of the policy's rollouts on warm-up prompts, train_step(head, opt_state,
+        batch) -> (head, opt_state, metrics): scoring with capture + the online update)."""
         cfg, w, cluster = self.cfg, self.cfg.warmup, self.cluster
         r, tokenizer = cfg.rollout, self.plan.tokenizer
-        start = time.perf_counter()
         pairs = self.plan.task.supervised_examples(w.draft_rollouts, cfg.run.seed + 2)
         prompts, lengths = encode_prompts(tokenizer, [p for p, _ in pairs], r.max_prompt_len)
         corpus = draft_corpus(
@@ -110,15 +136,13 @@ class DraftLearner:
             with cluster.training():
                 return self.update(head, opt_state, on_train, scored)
 
-        head, opt_state, steps = init_eagle3_head(
-            policy, corpus, draft_vocab_size=draft_vocab_size, key=key, steps=w.draft_steps,
-            opt_state_init=self.optimizer.init, train_step=train_step,
-            capture_layers=cfg.draft.layers)
+        return corpus, train_step
+
+    def _report(self, history, corpus, steps: list[dict], start: float) -> None:
         if history is not None:
             history.update(draft=steps, draft_token_counts=corpus.token_counts)
         if steps:
             acc = " ".join(f"{steps[-1][f'draft_acc_{s}']:.2f}" for s in range(self.loss_cfg.steps))
-            self.log(f"draft init: {w.draft_rollouts} rollouts, {w.draft_steps} steps, loss "
-                     f"{steps[0]['draft_loss']:.3f} -> {steps[-1]['draft_loss']:.3f}, "
+            self.log(f"draft init: {self.cfg.warmup.draft_rollouts} rollouts, {len(steps)} steps, "
+                     f"loss {steps[0]['draft_loss']:.3f} -> {steps[-1]['draft_loss']:.3f}, "
                      f"acc/step [{acc}] ({time.perf_counter() - start:.1f}s)")
-        return head, opt_state
