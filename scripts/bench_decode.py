@@ -53,7 +53,7 @@ def _forward_loop(policy, batch: int, context: int, steps: int):
 
     @jax.jit
     def run(p, c):
-        if p.decodes_unrolled:
+        if p.decodes_unrolled(context + 2, batch):
             p = p.unstack_layers()
 
         def body(i, tok):

@@ -190,7 +190,7 @@ def _generate_jit(
 ):
     batch, width = prompt_tokens.shape
     num_nodes, max_depth, capture = drafter.num_nodes, drafter.max_depth, drafter.capture_layers
-    if policy.decodes_unrolled:  # per-layer weights, sliced once here and not at every step
+    if policy.decodes_unrolled(max_len, batch):  # per-layer weights, sliced once here, not per step
         policy = policy.unstack_layers()
 
     buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)

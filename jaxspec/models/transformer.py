@@ -4,11 +4,13 @@ One forward serves prefill (ragged prompts), decode (T=1) and draft-tree verific
 (T=N+1 fed tokens under an ancestor mask). Layers are stacked on a leading `layers` axis
 and run by one `jax.lax.scan`, so compile time and HLO size do not grow with depth.
 
-Decoding on CPU runs them unrolled instead: inside a scan XLA's CPU backend copies each
+Decoding on CPU may run them unrolled instead: inside a scan XLA's CPU backend copies each
 layer's weight slice before its matmuls, which halves the read bandwidth of a memory-bound
 decode step (docs/BENCHMARKS.md, "Layer weights"). `Policy.unstack_layers()` (called once
 per `generate`, outside its loop) gives the forward per-layer arrays to read in place; the
 parameters themselves stay stacked, so checkpoints, sharding and training are unchanged.
+The unrolled loop copies the KV cache per step instead, so `model.layer_loop: auto`
+unrolls only where the weights outweigh the cache (`Policy.decodes_unrolled`).
 """
 
 from __future__ import annotations
@@ -248,15 +250,25 @@ class Policy:
             jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers)
         ))
 
-    @property
-    def decodes_unrolled(self) -> bool:
-        """Whether decoding unrolls the layers: `model.layer_loop`, where "auto" means on CPU
-        unless the forward is batch-invariant (whose generation log-probs must equal the
-        training forward's bit for bit, and training scans)."""
+    def decodes_unrolled(self, cache_max_len: int, batch: int) -> bool:
+        """Whether decoding with a cache of `cache_max_len` slots per row unrolls the layers:
+        `model.layer_loop`, where "auto" picks the loop that copies less per step on CPU.
+
+        Neither is free there: the scan copies each layer's weight slice, and the unrolled
+        loop copies the KV cache (each layer's blocked-attention loop takes the stacked
+        cache as an operand). "auto" unrolls when the layer weights outweigh the cache;
+        never with batch_invariant (its generation must equal the scanned training
+        forward bit for bit) and never off CPU."""
         loop = self.config.layer_loop
-        if loop == "auto":
-            return jax.default_backend() == "cpu" and not self.config.batch_invariant
-        return loop == "unroll"
+        if loop != "auto":
+            return loop == "unroll"
+        if jax.default_backend() != "cpu" or self.config.batch_invariant:
+            return False
+        cfg = self.config
+        itemsize = jnp.dtype(cfg.param_dtype).itemsize
+        weights = sum(x.size for x in jax.tree.leaves(self.params["layers"])) * itemsize
+        cache = 2 * cfg.num_layers * batch * cache_max_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return weights >= cache
 
     @property
     def module(self) -> Transformer:
