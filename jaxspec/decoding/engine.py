@@ -8,6 +8,11 @@ the accepted path's KV entries are compacted, and the drafter observes what was 
 Sequence bookkeeping: a row's "root" is its last committed token, whose KV is not in the
 cache yet; it sits at position `lengths - 1` of the token buffer. The token emitted from
 the root's distribution goes to position `lengths`.
+
+Continuous batching (`slots` < prompts): the loop's rows are slots. At the end of each
+iteration the rollouts that finished are copied out (in prompt order), and each free slot
+takes the next waiting prompt: its buffer row, a one-row prefill forward written into the
+slot's cache rows, and the drafter's row reset and prompt observation.
 """
 
 from __future__ import annotations

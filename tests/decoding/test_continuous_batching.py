@@ -155,3 +155,17 @@ def test_refilled_rollouts_follow_the_policy_joint_law():
     law = (p0[:, None] * p1).reshape(-1)
     p_value, statistic, outside = law_test(counts, law)
     assert outside == 0 and p_value >= 1e-5, (p_value, statistic)
+
+
+def test_config_rollout_slots():
+    import pathlib
+
+    from jaxspec.config import ConfigError, load_config
+
+    tiny = pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    assert load_config(tiny, ["rollout.slots=4"]).rollout.slots == 4
+    assert load_config(tiny, []).rollout.slots is None
+    with pytest.raises(ConfigError, match="rollout.slots.*out of range"):
+        load_config(tiny, ["rollout.slots=0"])
+    with pytest.raises(ConfigError, match="draft.kind 'history' reads sibling rollouts"):
+        load_config(tiny, ["draft.kind=history", "rollout.slots=4"])
