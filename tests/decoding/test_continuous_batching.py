@@ -90,6 +90,21 @@ def test_refill_equals_one_prompt_at_a_time(setup, name, slots):
         assert st.acceptance_length > 1.5
 
 
+def test_rejection_with_sampled_drafts_equals_one_prompt_at_a_time(setup):
+    """Rejection sampling draws its drafts and coins with keys of (rollout id, position): a
+    refilled slot must draw its new rollout's, not the slot's earlier rollout's."""
+    policy, prompts, rows = setup["policy"], setup["prompts"], setup["rows"]
+    kw = dict(setup["common"], drafter=setup["drafters"]["eagle3"], method="rejection")
+    tokens, lengths = pad_prompts(prompts)
+    ref = [generate(policy, (tokens[i : i + 1], lengths[i : i + 1]), rows=rows[i : i + 1], **kw)
+           for i in range(len(prompts))]
+    out = generate(policy, prompts, rows=rows, slots=3, **kw)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.concatenate([r.lengths for r in ref]))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.concatenate([r.tokens for r in ref]))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.concatenate([r.logprobs for r in ref]),
+                               atol=1e-5)
+
+
 def _schedule(lengths, slots: int) -> int:
     """Loop iterations of plain decoding with refill, simulated: prompts start in order, each
     in the slot that frees first (a slot whose row ends at iteration t starts the next
