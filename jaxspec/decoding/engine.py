@@ -42,10 +42,10 @@ from jaxspec.models import KVCache, Policy, compact
 class RolloutStats:
     """Counters of one `generate` call; derived rates are properties."""
 
-    target_forwards: jax.Array  # [] policy forwards in the loop (prefill excluded)
+    target_forwards: jax.Array  # [] loop iterations: verify forwards (prefills excluded)
     draft_forwards: jax.Array  # [] drafter forwards (0 for model-free drafters)
-    row_steps: jax.Array  # [batch] policy forwards while the row was still generating
-    tokens_generated: jax.Array  # [batch]
+    row_steps: jax.Array  # [prompts] policy forwards while the rollout was generating
+    tokens_generated: jax.Array  # [prompts] (prompt order, whatever slot ran it)
     accepted_at: jax.Array  # [max_depth] row-steps whose draft at depth j+1 was accepted
     proposed_at: jax.Array  # [max_depth] row-steps that proposed a draft at depth j+1
     wall_time_s: jax.Array  # [] host wall time of the call, compilation included
@@ -79,6 +79,7 @@ class RolloutStats:
 
     @property
     def total_slot_steps(self) -> float:
+        """Loop iterations x slots (live or not)."""
         if self.slot_steps is not None:
             return float(self.slot_steps)
         return float(self.target_forwards) * float(np.shape(self.row_steps)[0])
