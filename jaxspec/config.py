@@ -576,6 +576,9 @@ class RolloutSpec(_Section):
     max_new_tokens: int = _field(8, **_ge(1))
     max_prompt_len: int = _field(16, **_ge(1))  # prompt tokens (BOS included); longer: an error
     method: str = "replay"  # verification rule: jaxspec.decoding.verify.METHODS
+    # Rows decoded at once (continuous batching: a finished row's slot takes the next
+    # rollout inside the loop); null: all rollouts of the step at once (a static batch).
+    slots: Optional[int] = _field(None, **_ge(1))
     # A completion that hit max_new_tokens without an EOS is unfinished: 'zero' gives it
     # reward 0 (NeMo RL's default), 'score' grades its text like a finished one.
     truncated_reward: Literal["zero", "score"] = "zero"
@@ -790,6 +793,12 @@ class Config(_Section):
                               "the rejection rule verifies sampled chains, not trees",
                               "'replay' or 'greedy', or draft.tree=null")
         batch = self.rollout.prompts_per_step * self.rollout.group_size
+        slots = self.rollout.slots
+        if slots is not None and slots < batch and d.kind in ("history", "hybrid"):
+            raise ConfigError("rollout.slots", slots,
+                              f"draft.kind {d.kind!r} reads sibling rollouts by batch row, "
+                              f"which refilled slots do not keep",
+                              f"null or >= the {batch} rollouts of a step")
         if batch % self.grpo.minibatches:
             raise ConfigError("grpo.minibatches", self.grpo.minibatches,
                               f"does not divide the {batch} rollouts of a step "

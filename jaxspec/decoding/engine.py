@@ -8,6 +8,11 @@ the accepted path's KV entries are compacted, and the drafter observes what was 
 Sequence bookkeeping: a row's "root" is its last committed token, whose KV is not in the
 cache yet; it sits at position `lengths - 1` of the token buffer. The token emitted from
 the root's distribution goes to position `lengths`.
+
+Continuous batching (`slots` < prompts): the loop's rows are slots. At the end of each
+iteration the rollouts that finished are copied out (in prompt order), and each free slot
+takes the next waiting prompt: its buffer row, a one-row prefill forward written into the
+slot's cache rows, and the drafter's row reset and prompt observation.
 """
 
 from __future__ import annotations
@@ -37,13 +42,17 @@ from jaxspec.models import KVCache, Policy, compact
 class RolloutStats:
     """Counters of one `generate` call; derived rates are properties."""
 
-    target_forwards: jax.Array  # [] policy forwards in the loop (prefill excluded)
+    target_forwards: jax.Array  # [] loop iterations: verify forwards (prefills excluded)
     draft_forwards: jax.Array  # [] drafter forwards (0 for model-free drafters)
-    row_steps: jax.Array  # [batch] policy forwards while the row was still generating
-    tokens_generated: jax.Array  # [batch]
+    row_steps: jax.Array  # [prompts] policy forwards while the rollout was generating
+    tokens_generated: jax.Array  # [prompts] (prompt order, whatever slot ran it)
     accepted_at: jax.Array  # [max_depth] row-steps whose draft at depth j+1 was accepted
     proposed_at: jax.Array  # [max_depth] row-steps that proposed a draft at depth j+1
     wall_time_s: jax.Array  # [] host wall time of the call, compilation included
+    # [] loop iterations x slots: every slot pays each iteration, live or not (None: a
+    # RolloutStats built before slots existed; then target_forwards x batch, a static batch)
+    slot_steps: jax.Array | None = None
+    prefill_forwards: jax.Array | None = None  # [] in-loop prefills of refilled slots
 
     @classmethod
     def zeros(cls, batch: int, max_depth: int) -> RolloutStats:
@@ -57,13 +66,37 @@ class RolloutStats:
             accepted_at=jnp.zeros((max_depth,), i32),
             proposed_at=jnp.zeros((max_depth,), i32),
             wall_time_s=jnp.zeros((), jnp.float32),
+            slot_steps=jnp.zeros((), i32),
+            prefill_forwards=jnp.zeros((), i32),
         )
 
     @property
     def acceptance_length(self) -> float:
-        """Tokens emitted per policy forward, over all rows (1.0 for plain decoding)."""
+        """Tokens emitted per policy forward of a live row, over all rows (1.0 for plain
+        decoding). A row's view: the loop's pace is `tokens_per_slot_step`."""
         steps = float(np.sum(self.row_steps))
         return float(np.sum(self.tokens_generated)) / max(steps, 1.0)
+
+    @property
+    def total_slot_steps(self) -> float:
+        """Loop iterations x slots (live or not)."""
+        if self.slot_steps is not None:
+            return float(self.slot_steps)
+        return float(self.target_forwards) * float(np.shape(self.row_steps)[0])
+
+    @property
+    def tokens_per_slot_step(self) -> float:
+        """Batch-level acceptance: tokens emitted per loop iteration per slot (sum of tokens /
+        (iterations x slots)). Each iteration is one policy forward over every slot, so this,
+        not `acceptance_length`, sets the wall time; it is acceptance_length x (1 - wasted)."""
+        return float(np.sum(self.tokens_generated)) / max(self.total_slot_steps, 1.0)
+
+    @property
+    def wasted_row_steps(self) -> float:
+        """Fraction of slot-iterations spent on finished or empty slots (the long tail of a
+        static batch; what refilling slots removes)."""
+        total = self.total_slot_steps
+        return 1.0 - float(np.sum(self.row_steps)) / total if total else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -104,6 +137,7 @@ def generate(
     method: str = "replay",
     rows: jax.Array | None = None,  # [B] global rollout ids (position-keyed noise)
     pad_id: int = 0,
+    slots: int | None = None,
 ) -> Rollouts:
     """Sample continuations of `prompts` from `policy`, speculatively when `drafter` is set.
 
@@ -113,6 +147,12 @@ def generate(
     tokens and log-probs are equal bit for bit); every method is lossless in distribution
     (`greedy` only at temperature 0). Every argument is checked on the host before anything
     compiles; a SamplingConfig holding traced values cannot be.
+
+    `slots`: rows decoded at once (continuous batching). None, or at least the number of
+    prompts: one slot per prompt (a static batch). Fewer: the first `slots` prompts start,
+    and when a row finishes the next waiting prompt is prefilled into its slot inside the
+    jitted loop. Results come back in prompt order, and since every draw is keyed by
+    (key, rollout id, position), a rollout's tokens do not depend on its slot or start step.
     """
     args.check_policy(policy)
     args.check_method(method)
@@ -139,6 +179,7 @@ def generate(
             f"{drafter.num_nodes + 1} = {max_len} exceeds the policy's max_position_embeddings {limit}"
         )
     rows = args.check_rows(rows, batch)
+    slots = _check_slots(slots, batch, drafter)
 
     start = time.perf_counter()
     out = _generate_jit(
@@ -154,51 +195,116 @@ def generate(
         max_len=max_len,
         method=method,
         pad_id=pad_id,
+        slots=slots,
     )
     jax.block_until_ready(out)
     wall = jnp.asarray(time.perf_counter() - start, jnp.float32)
     return dataclasses.replace(out, stats=dataclasses.replace(out.stats, wall_time_s=wall))
 
 
+def _check_slots(slots, batch: int, drafter) -> int:
+    """`generate`'s slots as the static slot count in [1, batch]."""
+    if slots is None:
+        return batch
+    if not isinstance(slots, (int, np.integer)) or isinstance(slots, (bool, np.bool_)) or slots < 1:
+        raise ValueError(f"slots must be an int >= 1 (rows decoded at once) or None (one per "
+                         f"prompt); got {args.describe(slots)}")
+    slots = min(int(slots), batch)
+    if slots < batch and not getattr(drafter, "supports_refill", True):
+        raise ValueError(
+            f"{type(drafter).__name__} cannot refill slots (its drafts read other rows by batch "
+            f"position); use slots=None or slots >= the {batch} prompts"
+        )
+    return slots
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _LoopState:
-    buffer: jax.Array  # [batch, max_len] prompt + generated tokens
-    logprobs: jax.Array  # [batch, max_len] log-probs of generated tokens at their positions
-    lengths: jax.Array  # [batch] committed tokens (the root is the last of them)
-    done: jax.Array  # [batch] bool
+    buffer: jax.Array  # [slots, max_len] prompt + generated tokens
+    logprobs: jax.Array  # [slots, max_len] log-probs of generated tokens at their positions
+    lengths: jax.Array  # [slots] committed tokens (the root is the last of them)
+    done: jax.Array  # [slots] bool (finished, or empty: no prompt left to start)
     cache: KVCache
     draft_state: Any
     stats: RolloutStats
+    prompt_of: jax.Array  # [slots] int32 the prompt each slot holds (or last held)
+    next_prompt: jax.Array  # [] int32 the first prompt not started yet
+    out_tokens: jax.Array  # [prompts, max_new_tokens] finished rollouts, in prompt order
+    out_logprobs: jax.Array  # [prompts, max_new_tokens]
+    out_lengths: jax.Array  # [prompts]
 
 
-@partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id"))
+def _state_row_axes(drafter: Drafter, policy: Policy, batch: int, max_len: int) -> list:
+    """Per leaf of the drafter's state: the axis that grows with `init_state`'s batch (a
+    per-row leaf), or None (shared by all rows, e.g. a counter)."""
+    shapes = [
+        jax.tree.leaves(jax.eval_shape(lambda d, p, n=n: d.init_state(p, n, max_len), drafter, policy))
+        for n in (batch, batch + 1)
+    ]
+    axes = []
+    for a, b in zip(*shapes):
+        diff = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
+        if a.ndim != b.ndim or len(diff) > 1:
+            raise ValueError(
+                f"{type(drafter).__name__}.init_state: a state leaf of shape {a.shape} at batch "
+                f"{batch} is {b.shape} at batch {batch + 1}; per-row leaves need one batch axis "
+                f"(or give the drafter a refill_state method)"
+            )
+        axes.append(diff[0] if diff else None)
+    return axes
+
+
+def _refill_draft_state(drafter, policy, state, axes, slot, obs: Observation, max_len: int):
+    """The drafter's state with row `slot` started afresh on a new prompt (`obs`: its one-row
+    prefill). A drafter's own `refill_state(state, policy, slot, obs, max_len)` wins; the
+    default replaces the slot's rows of every per-row leaf by those of a fresh one-row state
+    that has observed the prompt, and takes shared leaves (counters) from it."""
+    hook = getattr(drafter, "refill_state", None)
+    if hook is not None:
+        return hook(state, policy, slot, obs, max_len)
+    leaves, treedef = jax.tree.flatten(state)
+    fresh = jax.tree.leaves(drafter.init_state(policy, 1, max_len))
+    sub = [old if ax is None else new for old, new, ax in zip(leaves, fresh, axes)]
+    sub = jax.tree.leaves(drafter.observe(treedef.unflatten(sub), policy, obs))
+    out = [
+        new if ax is None else jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), slot, ax)
+        for old, new, ax in zip(leaves, sub, axes)
+    ]
+    return treedef.unflatten(out)
+
+
+@partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id", "slots"))
 def _generate_jit(
     policy: Policy,
     drafter: Drafter,
-    prompt_tokens,  # [batch, width]
-    prompt_lengths,  # [batch]
+    prompt_tokens,  # [prompts, width]
+    prompt_lengths,  # [prompts]
     sampling,
     key,
     stops,  # [num_stops]
-    rows,  # [batch]
+    rows,  # [prompts]
     *,
     max_new_tokens: int,
     max_len: int,
     method: str,
     pad_id: int,
+    slots: int,
 ):
-    batch, width = prompt_tokens.shape
+    num_prompts, width = prompt_tokens.shape
+    batch = slots
+    refill = slots < num_prompts
     num_nodes, max_depth, capture = drafter.num_nodes, drafter.max_depth, drafter.capture_layers
     if policy.decodes_unrolled(max_len, batch):  # per-layer weights, sliced once here, not per step
         policy = policy.unstack_layers()
 
-    buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
+    first_tokens, first_lengths = prompt_tokens[:batch], prompt_lengths[:batch]
+    buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(first_tokens)
     # Rows over the batch mesh axes, KV heads over tensor (no-ops outside jax.set_mesh).
     buffer = parallel.constrain(buffer, ("batch", "length"))
     # Prefill every prompt token but the last: the last is the first root.
     pre_positions = jnp.arange(width, dtype=jnp.int32)[None, :]
-    pre_positions = jnp.where(pre_positions < prompt_lengths[:, None] - 1, pre_positions, -1)
+    pre_positions = jnp.where(pre_positions < first_lengths[:, None] - 1, pre_positions, -1)
     cache = policy.init_cache(batch, max_len)
     cache = KVCache(
         k=parallel.constrain(cache.k, parallel.KV_CACHE_AXES),
@@ -206,34 +312,56 @@ def _generate_jit(
         lengths=parallel.constrain(cache.lengths, ("batch",)),
     )
     _, captured, cache = policy.forward(
-        prompt_tokens, pre_positions, cache, capture=capture
+        first_tokens, pre_positions, cache, capture=capture
     )
     draft_state = drafter.init_state(policy, batch, max_len)
     draft_state = drafter.observe(draft_state, policy, Observation(
-        fed_tokens=prompt_tokens,
-        next_tokens=jnp.roll(prompt_tokens, -1, axis=1),
+        fed_tokens=first_tokens,
+        next_tokens=jnp.roll(first_tokens, -1, axis=1),
         positions=pre_positions,
         captured=captured,
     ))
     state = _LoopState(
         buffer=buffer,
         logprobs=jnp.zeros((batch, max_len), jnp.float32),
-        lengths=prompt_lengths.astype(jnp.int32),
+        lengths=first_lengths.astype(jnp.int32),
         done=jnp.zeros((batch,), bool),
         cache=cache,
         draft_state=draft_state,
-        stats=RolloutStats.zeros(batch, max_depth),
+        stats=RolloutStats.zeros(num_prompts, max_depth),
+        prompt_of=jnp.arange(batch, dtype=jnp.int32),
+        next_prompt=jnp.asarray(batch, jnp.int32),
+        out_tokens=jnp.full((num_prompts, max_new_tokens), pad_id, jnp.int32),
+        out_logprobs=jnp.zeros((num_prompts, max_new_tokens), jnp.float32),
+        out_lengths=jnp.zeros((num_prompts,), jnp.int32),
     )
-    budget_end = prompt_lengths + max_new_tokens  # [batch] exclusive end of generation
     draft_key = jax.random.split(key)[1]  # drafts never share the verifier's noise
     # Forwards the drafter declares per step: one proposal, one observation.
     draft_forwards_per_step = drafter.forwards_per_propose + drafter.forwards_per_observe
+    gen_offsets = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
+
+    def harvest(s: _LoopState, mask):  # mask [slots] bool: copy these slots' rollouts out
+        plen = prompt_lengths[s.prompt_of]
+        n_gen = s.lengths - plen
+        valid = gen_offsets < n_gen[:, None]
+        idx = plen[:, None] + gen_offsets
+        tok = jnp.where(valid, jnp.take_along_axis(s.buffer, idx, axis=1), pad_id)
+        logp = jnp.where(valid, jnp.take_along_axis(s.logprobs, idx, axis=1), 0.0)
+        target = jnp.where(mask, s.prompt_of, num_prompts)  # out of range: dropped
+        return dataclasses.replace(
+            s,
+            out_tokens=s.out_tokens.at[target].set(tok, mode="drop"),
+            out_logprobs=s.out_logprobs.at[target].set(logp, mode="drop"),
+            out_lengths=s.out_lengths.at[target].set(n_gen, mode="drop"),
+        )
 
     def cond(s: _LoopState):
         return jnp.any(~s.done)
 
     def body(s: _LoopState):
         active = ~s.done
+        slot_rows = rows[s.prompt_of]  # [slots] global rollout ids
+        budget_end = prompt_lengths[s.prompt_of] + max_new_tokens  # [slots] exclusive end
         root_pos = s.lengths - 1
         root = jnp.take_along_axis(s.buffer, root_pos[:, None], axis=1)  # [batch, 1]
         ctx = DraftContext(
@@ -242,7 +370,8 @@ def _generate_jit(
             key=draft_key,  # drafts key on (rollout id, position), never the loop step
             sampling=sampling,
             sampled=method == "rejection",
-            rows=rows,
+            rows=slot_rows,
+            sequences=s.prompt_of,
         )
         tree, draft_probs, draft_state = drafter.propose(s.draft_state, policy, ctx)
         fed = jnp.concatenate([root, tree.tokens], axis=1)  # [batch, N+1]
@@ -253,7 +382,7 @@ def _generate_jit(
         # Plain decoding is verification of an empty tree: one code path for both.
         verdict = verify(
             key, logits, tree, sampling, method=method, positions=s.lengths,
-            draft_probs=draft_probs, rows=rows,
+            draft_probs=draft_probs, rows=slot_rows,
         )
         num_accepted, emitted, emitted_logp, path = (
             verdict.num_accepted, verdict.tokens, verdict.logprobs, verdict.path,
@@ -296,22 +425,78 @@ def _generate_jit(
         stats = RolloutStats(
             target_forwards=st.target_forwards + 1,
             draft_forwards=st.draft_forwards + draft_forwards_per_step,
-            row_steps=st.row_steps + active.astype(jnp.int32),
-            tokens_generated=st.tokens_generated + n_emit,
+            row_steps=st.row_steps.at[s.prompt_of].add(active.astype(jnp.int32)),
+            tokens_generated=st.tokens_generated.at[s.prompt_of].add(n_emit),
             # Drafts count as accepted only when emitted (not cut by a stop token or the budget).
             accepted_at=st.accepted_at
             + jnp.sum((depth_ids < jnp.minimum(num_accepted, n_emit - 1)[:, None]) & active[:, None], axis=0),
             proposed_at=st.proposed_at + jnp.sum(active) * jnp.ones((max_depth,), jnp.int32),
             wall_time_s=st.wall_time_s,
+            slot_steps=st.slot_steps + batch,
+            prefill_forwards=st.prefill_forwards,
         )
-        return _LoopState(buffer, logprobs, new_lengths, done, cache, draft_state, stats)
+        out = dataclasses.replace(
+            s, buffer=buffer, logprobs=logprobs, lengths=new_lengths, done=done, cache=cache,
+            draft_state=draft_state, stats=stats,
+        )
+        if refill:
+            out = _refill(harvest(out, done & ~s.done))
+        return out
+
+    row_axes = _state_row_axes(drafter, policy, batch, max_len) if refill else None
+    padded_prompts = jnp.full((num_prompts, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
+
+    def _refill(s: _LoopState) -> _LoopState:
+        """Start the next waiting prompts in the free slots (in slot order): their buffer
+        rows, then one prefill forward and drafter observation per started slot."""
+        free = s.done
+        new_prompt = s.next_prompt + jnp.cumsum(free, dtype=jnp.int32) - 1
+        start = free & (new_prompt < num_prompts)
+        n_start = jnp.sum(start, dtype=jnp.int32)
+        prompt_of = jnp.where(start, new_prompt, s.prompt_of)
+        order = jnp.argsort(~start, stable=True).astype(jnp.int32)  # started slots first
+
+        def prefill_one(i, carry):
+            cache, draft_state = carry
+            slot = order[i]
+            p = prompt_of[slot]
+            toks = jax.lax.dynamic_slice_in_dim(prompt_tokens, p, 1, axis=0)  # [1, width]
+            pos = jnp.arange(width, dtype=jnp.int32)[None, :]
+            pos = jnp.where(pos < prompt_lengths[p] - 1, pos, -1)
+            _, captured, sub = policy.forward(toks, pos, policy.init_cache(1, width), capture=capture)
+            cache = dataclasses.replace(  # the slot's first `width` entries; the rest is stale
+                cache,  # and never read (a row holds slots [0, lengths))
+                k=jax.lax.dynamic_update_slice_in_dim(cache.k, sub.k, slot, axis=1),
+                v=jax.lax.dynamic_update_slice_in_dim(cache.v, sub.v, slot, axis=1),
+                lengths=cache.lengths.at[slot].set(sub.lengths[0]),
+            )
+            obs = Observation(fed_tokens=toks, next_tokens=jnp.roll(toks, -1, axis=1),
+                              positions=pos, captured=captured)
+            draft_state = _refill_draft_state(drafter, policy, draft_state, row_axes, slot, obs, max_len)
+            return cache, draft_state
+
+        cache, draft_state = jax.lax.fori_loop(0, n_start, prefill_one, (s.cache, s.draft_state))
+        st = s.stats
+        stats = dataclasses.replace(
+            st,
+            prefill_forwards=st.prefill_forwards + n_start,
+            draft_forwards=st.draft_forwards + n_start * drafter.forwards_per_observe,
+        )
+        return dataclasses.replace(
+            s,
+            buffer=jnp.where(start[:, None], padded_prompts[prompt_of], s.buffer),
+            logprobs=jnp.where(start[:, None], 0.0, s.logprobs),
+            lengths=jnp.where(start, prompt_lengths[prompt_of], s.lengths),
+            done=s.done & ~start,
+            cache=cache,
+            draft_state=draft_state,
+            stats=stats,
+            prompt_of=prompt_of,
+            next_prompt=s.next_prompt + n_start,
+        )
 
     final = jax.lax.while_loop(cond, body, state)
-    gen_idx = prompt_lengths[:, None] + jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
-    n_gen = final.lengths - prompt_lengths
-    valid = jnp.arange(max_new_tokens)[None, :] < n_gen[:, None]
-    out_tokens = jnp.where(valid, jnp.take_along_axis(final.buffer, gen_idx, axis=1), pad_id)
-    out_logp = jnp.where(valid, jnp.take_along_axis(final.logprobs, gen_idx, axis=1), 0.0)
+    final = harvest(final, jnp.ones((batch,), bool))
     summary = getattr(drafter, "draft_stats", None)
     draft_stats = summary(final.draft_state) if summary is not None else {}
-    return Rollouts(out_tokens, n_gen, out_logp, final.stats, draft_stats)
+    return Rollouts(final.out_tokens, final.out_lengths, final.out_logprobs, final.stats, draft_stats)

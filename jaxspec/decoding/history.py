@@ -320,6 +320,7 @@ class HistoryDrafter(_ModelFree):
     num_nodes = property(lambda self: self.budget)
     max_depth = property(lambda self: self.k)
     supports_rejection = False
+    supports_refill = False  # siblings are batch rows: generate(slots=) is refused
 
     def check_compatible(self, policy) -> None:
         vocab = policy.config.vocab_size
@@ -432,6 +433,7 @@ class HybridDrafter:
     max_depth = property(lambda self: max(self.history.k, self.head.k))
     capture_layers = property(lambda self: self.head.capture_layers)
     supports_rejection = False
+    supports_refill = False  # its history part reads sibling rows by batch position
     forwards_per_propose = property(lambda self: self.head.forwards_per_propose)
     forwards_per_observe = property(lambda self: self.head.forwards_per_observe)
 

@@ -4,7 +4,7 @@ For benchmarking the engine independent of draft quality. Generate the plain rol
 first, then decode the same prompts with the same key and `method="replay"`: the drafts are
 exactly the tokens the verifier will sample, except that the draft at depth j (1-based) is
 replaced by a wrong token with probability 1 - acceptance[j-1]. The corruption is
-deterministic noise keyed by (seed, row, position, depth), so repeated runs agree. A wrong
+deterministic noise keyed by (seed, rollout id, position, depth), so repeated runs agree. A wrong
 draft is rejected, and everything after it with it, so acceptance[j-1] is the acceptance
 rate at depth j given depth j-1 accepted. Model-free: `forwards_per_*` are 0.
 """
@@ -56,25 +56,29 @@ class OracleDrafter(_ModelFree):
                              f"policy's {policy.config.vocab_size}")
 
     def init_state(self, policy, batch, max_len):
-        if batch != self.reference.shape[0]:
+        if batch > self.reference.shape[0]:  # fewer with slots: rows read `ctx.sequences`
             raise ValueError(f"OracleDrafter.reference has {self.reference.shape[0]} rows; "
                              f"the batch has {batch}")
         return None
 
     def propose(self, state, policy, ctx: DraftContext):
-        batch, width = self.reference.shape
+        batch = ctx.lengths.shape[0]
+        width = self.reference.shape[1]
+        # The reference row of each slot's prompt (slots refill: a slot's prompt changes).
+        seq = jnp.arange(batch, dtype=jnp.int32) if ctx.sequences is None else ctx.sequences
         pos = ctx.lengths[:, None] + jnp.arange(self.k, dtype=jnp.int32)[None, :]  # [B, k]
-        right = jnp.take_along_axis(self.reference, jnp.clip(pos, 0, width - 1), axis=1)
-        # Noise keyed by (seed, row, position, depth): independent of the engine's keys.
+        right = jnp.take_along_axis(self.reference[seq], jnp.clip(pos, 0, width - 1), axis=1)
+        # Noise keyed by (seed, rollout id, position, depth): independent of the engine's
+        # keys, and of the batch, slot or step that drafts it.
+        ids = seq if ctx.rows is None else ctx.rows
         base = jax.random.key(self.seed)
-        rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
         depth = jnp.arange(self.k, dtype=jnp.int32)[None, :]
 
         def uniform(r, p, d):
             return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
                 jax.random.fold_in(base, r), p), d))
 
-        u = jax.vmap(jax.vmap(uniform, (None, 0, 0)), (0, 0, None))(rows[:, 0], pos, depth[0])
+        u = jax.vmap(jax.vmap(uniform, (None, 0, 0)), (0, 0, None))(ids, pos, depth[0])
         keep = u < jnp.asarray(self.acceptance, jnp.float32)[None, :]
         wrong = (right + 1) % self.vocab_size
         return Tree.chain(jnp.where(keep, right, wrong)), None, state

@@ -27,6 +27,9 @@ class DraftContext:
     sampling: SamplingConfig
     sampled: bool  # draw drafts from q and return q (rejection method) instead of argmax
     rows: jax.Array | None = None  # [B] int32 global rollout ids; None: arange(B)
+    # [B] int32 the prompt (index into `generate`'s prompts) each row holds: with slots
+    # (continuous batching) a row's prompt changes when it is refilled; None: arange(B)
+    sequences: jax.Array | None = None
 
     @property
     def root(self) -> jax.Array:  # [B]
@@ -66,6 +69,15 @@ class Drafter(Protocol):
     The static members size the compiled loop; the engine counts forwards from the declared
     costs (a drafter never counts anything itself). Optional: `draft_stats(state) -> dict`
     of the drafter's own counters, returned by `generate` as `Rollouts.draft_stats`.
+
+    Continuous batching (`generate(slots=...)`) starts a new rollout in a finished row. By
+    default the engine resets that row itself: every state leaf whose shape grows with
+    `init_state`'s batch holds one entry per row along that axis, and the row's entries
+    are replaced by those of a fresh one-row state that has observed the new prompt; other
+    leaves are shared (e.g. counters) and taken from that observation. Optional overrides:
+    `refill_state(state, policy, row, obs, max_len) -> state` (row: a traced int32 scalar,
+    obs: the prompt's one-row Observation), and `supports_refill = False` for a drafter that
+    reads other rows by batch position (generate then refuses fewer slots than prompts).
     """
 
     @property

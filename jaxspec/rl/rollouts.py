@@ -53,7 +53,8 @@ def abstract_batch(batch: int, prompt_len: int, new: int, depth: int) -> Rollout
     stats = RolloutStats(target_forwards=s((), i32), draft_forwards=s((), i32),
                          row_steps=s((batch,), i32), tokens_generated=s((batch,), i32),
                          accepted_at=s((depth,), i32), proposed_at=s((depth,), i32),
-                         wall_time_s=s((), f32))
+                         wall_time_s=s((), f32), slot_steps=s((), i32),
+                         prefill_forwards=s((), i32))
     return RolloutBatch(prompts=s((batch, prompt_len), i32), prompt_lengths=s((batch,), i32),
                         tokens=s((batch, new), i32), lengths=s((batch,), i32),
                         gen_logprobs=s((batch, new), f32), rewards=s((batch,), f32),
@@ -207,7 +208,7 @@ class RolloutWorker:
             policy, (prompts, lengths), drafter=drafter, rows=rows,
             key=jax.random.fold_in(key, step), sampling=self.sampling,
             max_new_tokens=r.max_new_tokens, stop_tokens=tuple(self.tokenizer.eos_ids),
-            method=r.method, pad_id=self.tokenizer.pad_id)
+            method=r.method, pad_id=self.tokenizer.pad_id, slots=r.slots)
 
     def ended(self, tokens, lengths) -> np.ndarray:  # [B] bool
         """Which completions stopped at an EOS (generation includes the stop token)."""

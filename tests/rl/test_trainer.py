@@ -114,10 +114,12 @@ def one_device(tree):
 
 
 def test_replay_training_equals_plain_training(base, tmp_path):
-    """Speculative rollouts (EAGLE-3, replay) and plain rollouts with the same key give the
-    same tokens, losses and parameters, step for step."""
+    """Speculative rollouts (EAGLE-3, replay, 5 refilled slots for the 16 rollouts of a step)
+    and plain rollouts (a static batch) with the same key give the same tokens, losses and
+    parameters, step for step."""
     policy, head = base
-    spec = GRPOTrainer(make_config(tmp_path / "spec", "run.steps=3"), policy=policy, head=head)
+    spec = GRPOTrainer(make_config(tmp_path / "spec", "run.steps=3", "rollout.slots=5"),
+                       policy=policy, head=head)
     plain = GRPOTrainer(make_config(tmp_path / "plain", "run.steps=3", "draft.kind=none"),
                         policy=policy)
     accepted = 0
@@ -136,6 +138,8 @@ def test_replay_training_equals_plain_training(base, tmp_path):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert accepted > 0  # the drafts were really accepted, so the check is not vacuous
     assert ms["acceptance_length"] > 1.0 and "draft/loss" in ms
+    assert int(spec.last_batch.stats.prefill_forwards) == 16 - 5  # the slots were refilled
+    assert 0.0 <= ms["wasted_row_steps"] < 1.0 and ms["tokens_per_slot_step"] > 0
 
 
 def test_first_step_matches_an_independent_grpo_computation(base, tmp_path):
