@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ import numpy as np
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.engine import generate
 from jaxspec.models import ModelConfig
+from jaxspec.timing import interleaved, median_ratio
 from jaxspec.models.transformer import random_policy
 
 
@@ -54,23 +54,6 @@ def _parse(argv=None):
     p.add_argument("--refeed", action="store_true", help="tree: also time the re-feed proposal")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def _interleaved(fns: dict, rounds: int) -> dict:
-    """Seconds per call of each fn, timed alternately: {name: [round 1, round 2, ...]}."""
-    for fn in fns.values():
-        jax.block_until_ready(fn())  # compile and warm up
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def _ratio(num, den) -> float:
-    return float(statistics.median(a / b for a, b in zip(num, den, strict=True)))
 
 
 def _ms(times) -> float:
@@ -116,9 +99,9 @@ def bench_rollout(args) -> None:
             run[f"1 step {n}"] = (lambda n=n: generate(
                 policy, prompts, sampling=SamplingConfig(temperature=1.0), max_new_tokens=n,
                 key=key, stop_tokens=list(range(vocab))))
-        times = _interleaved(run, args.rounds)
+        times = interleaved(run, args.rounds, warmup=True)
         print(f"| {batch} | {longest} | {_ms(times[small]):.1f} | {_ms(times[large]):.1f} | "
-              f"{_ratio(times[large], times[small]):.2f} | {_ms(times[f'1 step {small}']):.1f} | "
+              f"{median_ratio(times[large], times[small]):.2f} | {_ms(times[f'1 step {small}']):.1f} | "
               f"{_ms(times[f'1 step {large}']):.1f} |")
 
 
@@ -152,9 +135,9 @@ def bench_decode(args) -> None:
             _, _, cache = policy.forward(pre, pos, cache)
             token = jnp.ones((batch, 1), jnp.int32)
             fns[cap] = (lambda cache=cache, token=token: decode(policy, cache, token))
-        times = _interleaved(fns, args.rounds)
+        times = interleaved(fns, args.rounds, warmup=True)
         cells = " | ".join(f"{_ms(times[c]) / args.steps:.3f}" for c in capacities)
-        print(f"| {batch} | {cells} | {_ratio(times[capacities[-1]], times[capacities[0]]):.2f} |")
+        print(f"| {batch} | {cells} | {median_ratio(times[capacities[-1]], times[capacities[0]]):.2f} |")
 
 
 def bench_tree(args) -> None:
@@ -199,10 +182,10 @@ def bench_tree(args) -> None:
                 a, b = fns["carry"](state, lengths), fns["refeed"](state, lengths)
                 if not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))):
                     raise SystemExit(f"depth {depth} batch {batch}: the two proposals differ")
-            times = _interleaved({n: (lambda f=f: f(state, lengths)) for n, f in fns.items()}, args.rounds)
+            times = interleaved({n: (lambda f=f: f(state, lengths)) for n, f in fns.items()}, args.rounds, warmup=True)
             cells += [f"{_ms(times[n]):.2f}" for n in variants]
             if args.refeed:
-                ratios.append(f"{_ratio(times['refeed'], times['carry']):.2f}")
+                ratios.append(f"{median_ratio(times['refeed'], times['carry']):.2f}")
         print(f"| {depth} | " + " | ".join(cells) + (f" | {' / '.join(ratios)} |" if args.refeed else " |"))
 
 

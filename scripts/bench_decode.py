@@ -22,15 +22,14 @@ import json
 import platform
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.engine import generate
 from jaxspec.models import Policy
+from jaxspec.timing import interleaved, median_ratio
 
 
 def _parse(argv=None):
@@ -80,12 +79,6 @@ def _read_loop(policy, steps: int):
     return lambda: run(mats)
 
 
-def _time(fn) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
-
-
 def main(argv=None) -> int:
     args = _parse(argv)
     from jaxspec.config import load_config
@@ -106,18 +99,13 @@ def main(argv=None) -> int:
             fns[f"generate/{loop}"] = (lambda p=policy: generate(
                 p, prompts, sampling=SamplingConfig(temperature=1.0), max_new_tokens=args.steps,
                 key=jax.random.key(0)))
-        for fn in fns.values():
-            jax.block_until_ready(fn())  # compile
-        times = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                times[name].append(_time(fn))
+        times = interleaved(fns, args.rounds, warmup=True)
         read = statistics.median(times["read"]) / args.steps
         print(f"batch {batch}: weight read {read * 1e3:.2f} ms ({weight_bytes / read / 1e9:.1f} GB/s)")
         for name in fns:
             if name == "read":
                 continue
-            of_bound = statistics.median(r / t for r, t in zip(times["read"], times[name], strict=True))
+            of_bound = median_ratio(times["read"], times[name])
             step = statistics.median(times[name]) / args.steps
             rows.append(dict(batch=batch, variant=name, step_ms=step * 1e3, of_bound=of_bound,
                              read_ms=read * 1e3, read_gbs=weight_bytes / read / 1e9))

@@ -27,11 +27,11 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import jax
 import numpy as np
 
+from jaxspec.timing import interleaved
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.engine import generate, pad_prompts
 from jaxspec.decoding.oracle import oracle_drafter
@@ -115,12 +115,7 @@ def main(argv=None) -> int:
             acceptance_length=tokens_out / live,
             tokens_per_slot_step=tokens_out / slot_steps,
         )
-    times = {name: [] for name in runs}
-    for _ in range(args.rounds):
-        for name, fn in runs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(runs, args.rounds)
     base = {mode: times[f"static_{s}/{mode}"] for mode in ("plain", "spec")}
     for name in runs:
         mode = name.split("/")[1]

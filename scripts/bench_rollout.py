@@ -30,7 +30,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +43,7 @@ from jaxspec.models import Policy, load_hf
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
 from jaxspec.models.mtp import MTPHead
 from jaxspec.rl.tasks import CharTokenizer, make_task
+from jaxspec.timing import interleaved, median_ratio
 
 HELDOUT = 1_000_000  # task positions from here on are never used for training
 DRAFTERS = ("eagle3", "eagle3_untrained", "eagle3_tree", "ngram", "draft_model", "mtp_untrained")
@@ -77,21 +77,6 @@ def _parse(argv=None):
     p.add_argument("--calibration-out", help="write the first drafter's k=3 acceptance as a "
                    "calibration file for scripts/simulate.py --calibration")
     return p.parse_args(argv)
-
-
-def _interleaved(fns: dict, rounds: int) -> dict:
-    """Seconds per call of each fn, timed alternately: {name: [round 1, round 2, ...]}."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def _median_ratio(num, den) -> float:
-    return float(statistics.median(a / b for a, b in zip(num, den, strict=True)))
 
 
 def _policy(args):
@@ -151,8 +136,8 @@ def _verify_cost(policy, batch: int, context: int, ks, rounds: int, reps: int = 
         pos = jnp.broadcast_to(context + jnp.arange(t, dtype=jnp.int32), (batch, t))
         fns[t] = (lambda toks=toks, pos=pos: loop(policy, toks, pos, cache))
         jax.block_until_ready(fns[t]())  # compile
-    times = _interleaved(fns, rounds)
-    return {k: _median_ratio(times[k + 1], times[1]) for k in ks}
+    times = interleaved(fns, rounds)
+    return {k: median_ratio(times[k + 1], times[1]) for k in ks}
 
 
 def _drafter(name, k, args, policy, head, small):
@@ -228,8 +213,8 @@ def main(argv=None) -> int:
                     drafter = _drafter(name, k, args, policy, head, small)
                 run_spec = lambda d=drafter: generate(policy, prompts, drafter=d, **common, method=args.method)  # noqa: E731
                 spec = run_spec()  # compile
-                times = _interleaved({"plain": run_plain, "spec": run_spec}, args.rounds)
-                speedup = _median_ratio(times["plain"], times["spec"])
+                times = interleaved({"plain": run_plain, "spec": run_spec}, args.rounds)
+                speedup = median_ratio(times["plain"], times["spec"])
                 tau = spec.stats.acceptance_length
                 c = cost.get(drafter.num_nodes)  # verify width num_nodes + 1 (k + 1 for chains)
                 if c is None:  # a tree: measure its own verify width

@@ -1,0 +1,34 @@
+"""Interleaved timing for the benchmark scripts (scripts/bench_*.py).
+
+The machines are shared and noisy, so variants are timed alternately (A, B, A, B, ...) in
+one process after compiling, and a comparison is the median of the per-round ratios: load
+that changes between rounds cancels out of each ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def interleaved(fns: dict, rounds: int, *, warmup: bool = False) -> dict:
+    """{name: [seconds of round 1, round 2, ...]}: each fn called once per round, in order.
+
+    warmup=True calls every fn once first (compiles); otherwise the caller has."""
+    if warmup:
+        for fn in fns.values():
+            jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median_ratio(num, den) -> float:
+    """The median over rounds of num[i] / den[i] (two lists of interleaved timings)."""
+    return float(statistics.median(a / b for a, b in zip(num, den, strict=True)))
