@@ -331,9 +331,11 @@ def _generate_jit(
         stats=RolloutStats.zeros(num_prompts, max_depth),
         prompt_of=jnp.arange(batch, dtype=jnp.int32),
         next_prompt=jnp.asarray(batch, jnp.int32),
-        out_tokens=jnp.full((num_prompts, max_new_tokens), pad_id, jnp.int32),
-        out_logprobs=jnp.zeros((num_prompts, max_new_tokens), jnp.float32),
-        out_lengths=jnp.zeros((num_prompts,), jnp.int32),
+        out_tokens=parallel.constrain(
+            jnp.full((num_prompts, max_new_tokens), pad_id, jnp.int32), ("batch", "length")),
+        out_logprobs=parallel.constrain(
+            jnp.zeros((num_prompts, max_new_tokens), jnp.float32), ("batch", "length")),
+        out_lengths=parallel.constrain(jnp.zeros((num_prompts,), jnp.int32), ("batch",)),
     )
     draft_key = jax.random.split(key)[1]  # drafts never share the verifier's noise
     # Forwards the drafter declares per step: one proposal, one observation.
@@ -499,4 +501,10 @@ def _generate_jit(
     final = harvest(final, jnp.ones((batch,), bool))
     summary = getattr(drafter, "draft_stats", None)
     draft_stats = summary(final.draft_state) if summary is not None else {}
-    return Rollouts(final.out_tokens, final.out_lengths, final.out_logprobs, final.stats, draft_stats)
+    # Rows over the batch mesh axes, as the inputs were (the harvest scatter loses it).
+    return Rollouts(
+        parallel.constrain(final.out_tokens, ("batch", "length")),
+        parallel.constrain(final.out_lengths, ("batch",)),
+        parallel.constrain(final.out_logprobs, ("batch", "length")),
+        final.stats, draft_stats,
+    )
