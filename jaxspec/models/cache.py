@@ -163,3 +163,15 @@ def compact(
 
     kept = base + jnp.sum(keep, axis=1, dtype=jnp.int32)
     return KVCache(k=move(cache.k), v=move(cache.v), lengths=jnp.where(fed, kept, cache.lengths))
+
+
+def single_layer_forward(layer_step, embeds, hidden, positions, cache: KVCache, *, mask, fuse: bool):
+    """A draft head's one decoder layer over new entries, their keys and values appended to
+    its one-layer `cache`: `layer_step(embeds, hidden, positions, k_cache, v_cache, lengths,
+    mask=, fuse=) -> (hidden, k, v)` is the head's (EAGLE-3, MTP). Returns (hidden, cache)."""
+    valid, mask = new_token_mask(positions, mask)
+    out, k, v = layer_step(
+        embeds, hidden, positions, cache.k[0], cache.v[0],
+        jnp.minimum(cache.lengths, cache.max_len), mask=mask, fuse=fuse,
+    )
+    return out, cache.append(0, k, v, valid).advance(valid)

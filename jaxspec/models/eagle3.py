@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.models.cache import KVCache, new_token_mask
+from jaxspec.models.cache import KVCache, single_layer_forward
 from jaxspec.models.config import ModelConfig, default_eagle3_layers
 from jaxspec.models.hf import HFCheckpointError
 from jaxspec.models.layers import DecoderLayer, RMSNorm, logical_param
@@ -172,12 +172,8 @@ class Eagle3Head:
         fuse: bool,
     ):
         """One pass of the decoder layer over new entries; returns (pre-norm hidden, cache)."""
-        valid, mask = new_token_mask(positions, mask)
-        out, k, v = self.layer_step(
-            embeds, hidden, positions, cache.k[0], cache.v[0],
-            jnp.minimum(cache.lengths, cache.max_len), mask=mask, fuse=fuse,
-        )
-        return out, cache.append(0, k, v, valid).advance(valid)
+        return single_layer_forward(self.layer_step, embeds, hidden, positions, cache,
+                                    mask=mask, fuse=fuse)
 
     def layer_step(
         self,

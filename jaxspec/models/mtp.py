@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.models.cache import KVCache, new_token_mask
+from jaxspec.models.cache import KVCache, single_layer_forward
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.layers import DecoderLayer, RMSNorm, logical_param
 
@@ -111,12 +111,8 @@ class MTPHead:
         fuse: bool,  # unused: the same projection serves target features and own outputs
     ):
         """One pass of the head over new entries; returns (pre-norm hidden, cache)."""
-        valid, mask = new_token_mask(positions, mask)
-        out, k, v = self.layer_step(
-            embeds, hidden, positions, cache.k[0], cache.v[0],
-            jnp.minimum(cache.lengths, cache.max_len), mask=mask, fuse=fuse,
-        )
-        return out, cache.append(0, k, v, valid).advance(valid)
+        return single_layer_forward(self.layer_step, embeds, hidden, positions, cache,
+                                    mask=mask, fuse=fuse)
 
     def layer_step(
         self,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.config import ConfigError, GRPOConfig
+from jaxspec.config import GRPOConfig
 from jaxspec.rl import grpo
 
 B, T = 6, 7
