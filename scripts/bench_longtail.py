@@ -19,6 +19,12 @@ with probability `--oracle` per depth), which measures the engine independent of
 quality. Wasted row-steps: slot-iterations spent on finished or empty slots, as a fraction.
 Timing: every configuration is compiled first, then all are timed alternately (A/B/C/...,
 `--rounds` rounds); ratios are medians of per-round ratios against static_S.
+
+`--adaptive`: instead, compare draft lengths on refill_S: plain, every fixed k = 1..K, and
+adaptive k (`jaxspec.decoding.adaptive`: costs measured once by `measure_costs` before the
+timing, then k chosen per iteration); ratios against plain refill_S. `--drafter eagle3`
+drafts with a random EAGLE-3 head (real draft forwards, acceptance near chance) instead of
+the oracle.
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ import jax
 import numpy as np
 
 from jaxspec.timing import interleaved
-from jaxspec.decoding import SamplingConfig
+from jaxspec.decoding import SamplingConfig, measure_costs
+from jaxspec.decoding.drafters import Eagle3Drafter
 from jaxspec.decoding.engine import generate, pad_prompts
 from jaxspec.decoding.oracle import oracle_drafter
 from jaxspec.models import ModelConfig, Policy
+from jaxspec.models.eagle3 import Eagle3Head
 
 
 def _parse(argv=None):
@@ -52,6 +60,8 @@ def _parse(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-static-all", action="store_true", help="leave out static_all (slow at large R)")
+    p.add_argument("--adaptive", action="store_true", help="plain vs fixed k vs adaptive k on refill_S")
+    p.add_argument("--drafter", choices=("oracle", "eagle3"), default="oracle")
     p.add_argument("--json", default="bench_longtail.json")
     return p.parse_args(argv)
 
@@ -84,6 +94,14 @@ def main(argv=None) -> int:
     oracle_all = oracle_drafter(tokens, lengths, completions, acceptance, vocab_size=args.vocab)
     oracle_chunks = [oracle_drafter(tokens[chunk(i)], lengths[chunk(i)], completions[chunk(i)],
                                     acceptance, vocab_size=args.vocab) for i in range(r // s)]
+
+    if args.adaptive:
+        if args.drafter == "eagle3":
+            drafter = Eagle3Drafter(Eagle3Head.init_for(policy, args.vocab, jax.random.key(args.seed + 2)),
+                                    k=len(acceptance))
+        else:
+            drafter = oracle_all
+        return _adaptive(args, policy, (tokens, lengths), rows, common, drafter, completions)
 
     def static_all(spec):
         return [generate(policy, (tokens, lengths), rows=rows, drafter=oracle_all if spec else None, **common)]
@@ -141,6 +159,53 @@ def main(argv=None) -> int:
         print(f"{name:<20} {st['iterations']:>6} {st['prefill_forwards']:>8} {st['wasted_row_steps']:>7.1%} "
               f"{st['acceptance_length']:>5.2f} {st['tokens_per_slot_step']:>13.2f} {st['wall_s_median']:>7.2f} "
               f"{st['speedup_vs_static_S']:>10.2f} {st['speedup_vs_static_S_plain']:>16.2f}")
+    with open(args.json, "w") as f:
+        json.dump(summary, f, indent=1)
+    return 0
+
+
+def _adaptive(args, policy, prompts, rows, common, drafter, completions) -> int:
+    """Plain vs every fixed k vs adaptive k, all on refill_S, timed interleaved."""
+    s = args.slots
+    kw = dict(rows=rows, slots=s, **common)
+    adaptive = measure_costs(policy, drafter, prompts, verbose=True, **kw)
+    runs = {"plain": lambda: generate(policy, prompts, **kw)}
+    runs.update({f"k={k}": (lambda d=drafter.with_k(k): generate(policy, prompts, drafter=d, **kw))
+                 for k in range(1, drafter.k + 1)})
+    runs["adaptive"] = lambda: generate(policy, prompts, drafter=drafter, adaptive=adaptive, **kw)
+    stats = {}
+    for name, fn in runs.items():  # compile, check the tokens, collect the counters
+        out = fn()
+        assert np.array_equal(np.asarray(out.tokens), completions), f"{name}: tokens differ from plain"
+        st = out.stats
+        stats[name] = dict(iterations=int(st.target_forwards), acceptance_length=st.acceptance_length,
+                           tokens_per_slot_step=st.tokens_per_slot_step,
+                           mean_k=st.mean_k if st.k_iterations is not None else
+                           (0.0 if name == "plain" else float(name[2:])),
+                           k_iterations=None if st.k_iterations is None else
+                           np.asarray(st.k_iterations).tolist())
+    times = interleaved(runs, args.rounds)
+    for name in runs:
+        stats[name]["wall_s_median"] = float(statistics.median(times[name]))
+        stats[name]["speedup_vs_plain"] = float(statistics.median(
+            p / t for p, t in zip(times["plain"], times[name])))
+    best = max((n for n in runs if n.startswith("k=")), key=lambda n: stats[n]["speedup_vs_plain"])
+    adaptive_vs_best = float(statistics.median(b / a for a, b in zip(times["adaptive"], times[best])))
+    summary = dict(
+        machine=f"{platform.machine()} {platform.processor() or ''} cpus={len(jax.devices())} "
+                f"backend={jax.default_backend()}",
+        args=vars(args), params=int(sum(x.size for x in jax.tree.leaves(policy.params))),
+        costs_ms=(np.asarray(adaptive.costs) * 1e3).tolist(), results=stats, times=times,
+        best_fixed=best, adaptive_vs_best_fixed=adaptive_vs_best,
+    )
+    print(f"{summary['params']} params; costs per iteration (ms) at k = {list(adaptive.ks)}: "
+          + ", ".join(f"{c:.2f}" for c in summary["costs_ms"]))
+    print(f"{'run':<10} {'iters':>6} {'tau':>5} {'tok/slot-step':>13} {'mean k':>6} {'wall s':>7} {'x plain':>8}  k iterations")
+    for name, st in stats.items():
+        print(f"{name:<10} {st['iterations']:>6} {st['acceptance_length']:>5.2f} "
+              f"{st['tokens_per_slot_step']:>13.2f} {st['mean_k']:>6.2f} {st['wall_s_median']:>7.2f} "
+              f"{st['speedup_vs_plain']:>8.2f}  {st['k_iterations'] or ''}")
+    print(f"adaptive vs the best fixed k ({best}): {adaptive_vs_best:.2f}x (median of per-round ratios)")
     with open(args.json, "w") as f:
         json.dump(summary, f, indent=1)
     return 0

@@ -13,10 +13,12 @@ from jaxspec.decoding.drafters import (  # noqa: E402  (drafters build on the ab
     TreeSpec,
 )
 from jaxspec.decoding.engine import Rollouts, RolloutStats, generate  # noqa: E402
+from jaxspec.decoding.adaptive import AdaptiveK, measure_costs  # noqa: E402
 from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter  # noqa: E402
 
 __all__ = [
     "METHODS",
+    "AdaptiveK",
     "DraftContext",
     "DraftHead",
     "DraftModelDrafter",
@@ -36,6 +38,7 @@ __all__ = [
     "TreeSpec",
     "Verdict",
     "generate",
+    "measure_costs",
     "process_logits",
     "sample",
     "verify",

@@ -113,6 +113,36 @@ def check_drafter(drafter, policy, method: str) -> None:
         )
 
 
+def check_adaptive(adaptive, drafter, policy, method: str, max_len: int) -> dict:
+    """`generate(adaptive=...)`: {k: the drafter proposing chains of k} for every k > 0 in
+    `adaptive.ks` (k = 0 is plain decoding); {} without adaptive."""
+    from jaxspec.decoding.adaptive import AdaptiveK
+
+    if adaptive is None:
+        return {}
+    if not isinstance(adaptive, AdaptiveK):
+        raise TypeError(f"adaptive must be a jaxspec.decoding.AdaptiveK (from "
+                        f"jaxspec.decoding.measure_costs) or None; got {describe(adaptive)}")
+    name = type(drafter).__name__
+    if drafter.num_nodes == 0 or not callable(getattr(drafter, "with_k", None)):
+        raise ValueError(f"adaptive draft length needs a chain drafter with a with_k method "
+                         f"(EAGLE-3, MTP, draft model, n-gram, oracle); got {name}")
+    variants = {k: drafter.with_k(k) for k in adaptive.ks if k > 0}
+    base = jax.eval_shape(lambda d, p: d.init_state(p, 2, max_len), drafter, policy)
+    for k, d in variants.items():
+        d.check_compatible(policy)
+        if method == "rejection" and not d.supports_rejection:
+            raise ValueError(f"method='rejection': {name}.with_k({k}) cannot sample its drafts "
+                             f"(use method='replay')")
+        state = jax.eval_shape(lambda d, p: d.init_state(p, 2, max_len), d, policy)
+        if jax.tree.structure(state) != jax.tree.structure(base) or any(
+                (a.shape, a.dtype) != (b.shape, b.dtype)
+                for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(base))):
+            raise ValueError(f"adaptive draft length: {name}.with_k({k}) keeps a state of "
+                             f"another shape than {name}'s; every k must share one state")
+    return variants
+
+
 def check_sampling(sampling, method: str) -> SamplingConfig:
     if sampling is None:
         return SamplingConfig()

@@ -110,6 +110,10 @@ class NGramDrafter(_ModelFree):
     max_depth = property(lambda self: self.k)
     supports_rejection = False
 
+    def with_k(self, k: int) -> NGramDrafter:
+        """The same drafter proposing chains of k (adaptive draft length)."""
+        return dataclasses.replace(self, k=k)
+
     def propose(self, state, policy, ctx: DraftContext):
         buf, lengths = ctx.buffer, ctx.lengths
         batch, width = buf.shape
@@ -156,6 +160,10 @@ class DraftModelDrafter:
     supports_rejection = True
     forwards_per_propose = property(lambda self: self.k)
     forwards_per_observe = 1
+
+    def with_k(self, k: int) -> DraftModelDrafter:
+        """The same drafter proposing chains of k (adaptive draft length)."""
+        return dataclasses.replace(self, k=k)
 
     def check_compatible(self, policy) -> None:
         mine, theirs = self.model.config.vocab_size, policy.config.vocab_size
@@ -268,6 +276,13 @@ class _HeadDrafter:
         return self.k - 1 if self.tree is None else self.tree.depth - 1
 
     forwards_per_observe = 1
+
+    def with_k(self, k: int):
+        """The same head drafting chains of k (adaptive draft length); chains only."""
+        if self.tree is not None:
+            raise ValueError(f"adaptive draft length needs chain drafts; {type(self).__name__} "
+                             f"drafts a tree ({self.tree})")
+        return dataclasses.replace(self, k=k)
 
     def check_compatible(self, policy) -> None:
         self.head.check_compatible(policy)

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxspec import parallel
 from jaxspec.decoding import arguments as args
+from jaxspec.decoding.adaptive import AdaptiveK, AdaptState, choose_k
 from jaxspec.decoding.arguments import pad_prompts
 from jaxspec.decoding.drafters import NoDrafter
 from jaxspec.decoding.protocols import DraftContext, Drafter, Observation
@@ -53,10 +54,13 @@ class RolloutStats:
     # RolloutStats built before slots existed; then target_forwards x batch, a static batch)
     slot_steps: jax.Array | None = None
     prefill_forwards: jax.Array | None = None  # [] in-loop prefills of refilled slots
+    # [max_k + 1] loop iterations run at each draft length k (adaptive k only, else None)
+    k_iterations: jax.Array | None = None
 
     @classmethod
-    def zeros(cls, batch: int, max_depth: int) -> RolloutStats:
-        """Counters before the first step (`jax.eval_shape(RolloutStats.zeros, ...)` for shapes)."""
+    def zeros(cls, batch: int, max_depth: int, max_k: int | None = None) -> RolloutStats:
+        """Counters before the first step (`jax.eval_shape(RolloutStats.zeros, ...)` for shapes);
+        max_k: the largest adaptive draft length (None: no adaptive k)."""
         i32 = jnp.int32
         return cls(
             target_forwards=jnp.zeros((), i32),
@@ -68,7 +72,16 @@ class RolloutStats:
             wall_time_s=jnp.zeros((), jnp.float32),
             slot_steps=jnp.zeros((), i32),
             prefill_forwards=jnp.zeros((), i32),
+            k_iterations=None if max_k is None else jnp.zeros((max_k + 1,), i32),
         )
+
+    @property
+    def mean_k(self) -> float | None:
+        """Mean draft length over loop iterations (adaptive k), else None."""
+        if self.k_iterations is None:
+            return None
+        counts = np.asarray(self.k_iterations, np.float64)
+        return float(np.dot(np.arange(counts.size), counts) / max(counts.sum(), 1.0))
 
     @property
     def acceptance_length(self) -> float:
@@ -138,6 +151,7 @@ def generate(
     rows: jax.Array | None = None,  # [B] global rollout ids (position-keyed noise)
     pad_id: int = 0,
     slots: int | None = None,
+    adaptive: AdaptiveK | None = None,
 ) -> Rollouts:
     """Sample continuations of `prompts` from `policy`, speculatively when `drafter` is set.
 
@@ -153,7 +167,24 @@ def generate(
     and when a row finishes the next waiting prompt is prefilled into its slot inside the
     jitted loop. Results come back in prompt order, and since every draw is keyed by
     (key, rollout id, position), a rollout's tokens do not depend on its slot or start step.
+
+    `adaptive`: choose the draft length k (0 = plain decoding) before every iteration from
+    the measured costs and acceptance (`jaxspec.decoding.adaptive`; build it with
+    `measure_costs` on the same arguments). The drafter needs `with_k` (chain drafters).
     """
+    return _generate(policy, prompts, drafter=drafter, sampling=sampling,
+                     max_new_tokens=max_new_tokens, key=key, stop_tokens=stop_tokens,
+                     method=method, rows=rows, pad_id=pad_id, slots=slots, adaptive=adaptive)
+
+
+def _generate(
+    policy, prompts, *, drafter=None, sampling=None, max_new_tokens, key, stop_tokens=(),
+    method="replay", rows=None, pad_id=0, slots=None, adaptive=None, force_k: int = -1,
+    max_iterations: int | None = None,
+) -> Rollouts:
+    """`generate`, plus what `adaptive.measure_costs` needs: `force_k` (an index into
+    adaptive.ks used at every iteration; -1: choose) and `max_iterations` (stop the loop
+    after that many; None: run to the end). Both are traced: one compiled program."""
     args.check_policy(policy)
     args.check_method(method)
     sampling = args.check_sampling(sampling, method)
@@ -171,13 +202,17 @@ def generate(
             f"prompt token ids must be in [0, {vocab}); got min {tokens.min()}, max {tokens.max()}"
         )
     # Headroom: a verify step writes num_nodes + 1 cache slots past the root (k+1 for chains).
-    max_len = width + max_new_tokens + drafter.num_nodes + 1
+    nodes = drafter.num_nodes
+    if adaptive is not None and isinstance(adaptive, AdaptiveK):
+        nodes = max(nodes, adaptive.max_k)
+    max_len = width + max_new_tokens + nodes + 1
     limit = policy.config.max_position_embeddings
     if max_len > limit:
         raise ValueError(
             f"prompt length {width} + max_new_tokens {max_new_tokens} + draft headroom "
-            f"{drafter.num_nodes + 1} = {max_len} exceeds the policy's max_position_embeddings {limit}"
+            f"{nodes + 1} = {max_len} exceeds the policy's max_position_embeddings {limit}"
         )
+    args.check_adaptive(adaptive, drafter, policy, method, max_len)
     rows = args.check_rows(rows, batch)
     slots = _check_slots(slots, batch, drafter)
 
@@ -191,6 +226,9 @@ def generate(
         key,
         jnp.asarray(stops or [-1], jnp.int32),
         jnp.asarray(rows, jnp.int32),
+        adaptive,
+        jnp.asarray(force_k, jnp.int32),
+        jnp.asarray(2**31 - 1 if max_iterations is None else max_iterations, jnp.int32),
         max_new_tokens=max_new_tokens,
         max_len=max_len,
         method=method,
@@ -233,6 +271,8 @@ class _LoopState:
     out_tokens: jax.Array  # [prompts, max_new_tokens] finished rollouts, in prompt order
     out_logprobs: jax.Array  # [prompts, max_new_tokens]
     out_lengths: jax.Array  # [prompts]
+    adapt: AdaptState | None = None  # adaptive k: acceptance counts and the probe clock
+    pending: Observation | None = None  # adaptive k: entries [slots, window] not yet observed
 
 
 def _state_row_axes(drafter: Drafter, policy: Policy, batch: int, max_len: int) -> list:
@@ -284,6 +324,9 @@ def _generate_jit(
     key,
     stops,  # [num_stops]
     rows,  # [prompts]
+    adaptive,  # AdaptiveK | None
+    force_k,  # [] int32 index into adaptive.ks used at every iteration; -1: choose
+    max_iterations,  # [] int32 stop after this many iterations
     *,
     max_new_tokens: int,
     max_len: int,
@@ -294,7 +337,13 @@ def _generate_jit(
     num_prompts, width = prompt_tokens.shape
     batch = slots
     refill = slots < num_prompts
-    num_nodes, max_depth, capture = drafter.num_nodes, drafter.max_depth, drafter.capture_layers
+    capture = drafter.capture_layers
+    # The drafter of each branch: {k: proposing chains of k} (adaptive), else the one drafter.
+    variants = {k: (NoDrafter() if k == 0 else drafter.with_k(k)) for k in adaptive.ks} \
+        if adaptive is not None else None
+    max_depth = adaptive.max_k if adaptive is not None else drafter.max_depth
+    # Adaptive k = 0 skips a network drafter's observation; the entries wait in a window.
+    defer = adaptive is not None and drafter.forwards_per_observe > 0
     if policy.decodes_unrolled(max_len, batch):  # per-layer weights, sliced once here, not per step
         policy = policy.unstack_layers()
 
@@ -321,6 +370,15 @@ def _generate_jit(
         positions=pre_positions,
         captured=captured,
     ))
+    pending = None
+    if defer:
+        w = adaptive.window
+        pending = Observation(
+            fed_tokens=jnp.zeros((batch, w), jnp.int32),
+            next_tokens=jnp.zeros((batch, w), jnp.int32),
+            positions=jnp.full((batch, w), -1, jnp.int32),
+            captured={layer: jnp.zeros((batch, w) + h.shape[2:], h.dtype) for layer, h in captured.items()},
+        )
     state = _LoopState(
         buffer=buffer,
         logprobs=jnp.zeros((batch, max_len), jnp.float32),
@@ -328,7 +386,8 @@ def _generate_jit(
         done=jnp.zeros((batch,), bool),
         cache=cache,
         draft_state=draft_state,
-        stats=RolloutStats.zeros(num_prompts, max_depth),
+        stats=RolloutStats.zeros(num_prompts, max_depth,
+                                 None if adaptive is None else adaptive.max_k),
         prompt_of=jnp.arange(batch, dtype=jnp.int32),
         next_prompt=jnp.asarray(batch, jnp.int32),
         out_tokens=parallel.constrain(
@@ -336,10 +395,10 @@ def _generate_jit(
         out_logprobs=parallel.constrain(
             jnp.zeros((num_prompts, max_new_tokens), jnp.float32), ("batch", "length")),
         out_lengths=parallel.constrain(jnp.zeros((num_prompts,), jnp.int32), ("batch",)),
+        adapt=None if adaptive is None else AdaptState.zeros(adaptive),
+        pending=pending,
     )
     draft_key = jax.random.split(key)[1]  # drafts never share the verifier's noise
-    # Forwards the drafter declares per step: one proposal, one observation.
-    draft_forwards_per_step = drafter.forwards_per_propose + drafter.forwards_per_observe
     gen_offsets = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
 
     def harvest(s: _LoopState, mask):  # mask [slots] bool: copy these slots' rollouts out
@@ -358,9 +417,18 @@ def _generate_jit(
         )
 
     def cond(s: _LoopState):
-        return jnp.any(~s.done)
+        return jnp.any(~s.done) & (s.stats.target_forwards < max_iterations)
 
-    def body(s: _LoopState):
+    def flush(draft_state, pending):
+        """Observe the deferred entries (if any) in one forward; -> (state, window, forwards)."""
+        has = jnp.any(pending.positions >= 0)
+        draft_state = jax.lax.cond(
+            has, lambda st: drafter.observe(st, policy, pending), lambda st: st, draft_state)
+        pending = dataclasses.replace(pending, positions=jnp.full_like(pending.positions, -1))
+        return draft_state, pending, has.astype(jnp.int32) * drafter.forwards_per_observe
+
+    def step(s: _LoopState, d: Drafter, k: int | None):
+        """One iteration with drafter `d` (k: its chain length under adaptive, else None)."""
         active = ~s.done
         slot_rows = rows[s.prompt_of]  # [slots] global rollout ids
         budget_end = prompt_lengths[s.prompt_of] + max_new_tokens  # [slots] exclusive end
@@ -375,7 +443,11 @@ def _generate_jit(
             rows=slot_rows,
             sequences=s.prompt_of,
         )
-        tree, draft_probs, draft_state = drafter.propose(s.draft_state, policy, ctx)
+        draft_state, pending, flushed = s.draft_state, s.pending, 0
+        if defer and k:
+            draft_state, pending, flushed = flush(draft_state, pending)
+        tree, draft_probs, draft_state = d.propose(draft_state, policy, ctx)
+        num_nodes = d.num_nodes
         fed = jnp.concatenate([root, tree.tokens], axis=1)  # [batch, N+1]
         positions = tree.positions(root_pos)
         positions = jnp.where(active[:, None], positions, -1)
@@ -412,7 +484,7 @@ def _generate_jit(
         kept_idx = jnp.maximum(kept, 0)
         # The drafter observes what was emitted: entries past a stop token or the budget
         # (the row is done) are padding, so its counters match `accepted_at`.
-        draft_state = drafter.observe(draft_state, policy, Observation(
+        obs = Observation(
             fed_tokens=jnp.take_along_axis(fed, kept_idx, axis=1),
             next_tokens=emitted,
             positions=jnp.where((kept >= 0) & (offs < n_emit[:, None]), root_pos[:, None] + offs, -1),
@@ -420,30 +492,52 @@ def _generate_jit(
                 layer: jnp.take_along_axis(h, kept_idx[..., None], axis=1)
                 for layer, h in captured.items()
             },
-        ))
+        )
+        if defer and k == 0:  # one entry per row: slide it into the window
+            pending = jax.tree.map(lambda w, e: jnp.concatenate([w[:, 1:], e], axis=1), pending, obs)
+        else:
+            draft_state = drafter.observe(draft_state, policy, obs)
 
         depth_ids = jnp.arange(max_depth, dtype=jnp.int32)[None, :]
+        drafted = max_depth if k is None else k  # depths proposed this iteration
         st = s.stats
         stats = RolloutStats(
             target_forwards=st.target_forwards + 1,
-            draft_forwards=st.draft_forwards + draft_forwards_per_step,
+            draft_forwards=st.draft_forwards + flushed + d.forwards_per_propose
+            + (0 if defer and k == 0 else drafter.forwards_per_observe),
             row_steps=st.row_steps.at[s.prompt_of].add(active.astype(jnp.int32)),
             tokens_generated=st.tokens_generated.at[s.prompt_of].add(n_emit),
             # Drafts count as accepted only when emitted (not cut by a stop token or the budget).
             accepted_at=st.accepted_at
             + jnp.sum((depth_ids < jnp.minimum(num_accepted, n_emit - 1)[:, None]) & active[:, None], axis=0),
-            proposed_at=st.proposed_at + jnp.sum(active) * jnp.ones((max_depth,), jnp.int32),
+            proposed_at=st.proposed_at + jnp.sum(active) * (depth_ids[0] < drafted).astype(jnp.int32),
             wall_time_s=st.wall_time_s,
             slot_steps=st.slot_steps + batch,
             prefill_forwards=st.prefill_forwards,
+            k_iterations=None if k is None else st.k_iterations.at[k].add(1),
         )
         out = dataclasses.replace(
             s, buffer=buffer, logprobs=logprobs, lengths=new_lengths, done=done, cache=cache,
-            draft_state=draft_state, stats=stats,
+            draft_state=draft_state, stats=stats, pending=pending,
+            adapt=None if k is None else s.adapt.update(adaptive, k, num_accepted, active),
         )
         if refill:
             out = _refill(harvest(out, done & ~s.done))
         return out
+
+    def body(s: _LoopState):
+        if adaptive is None:
+            return step(s, drafter, None)
+        # One inner loop per k, each running while k is the choice. Not a lax.switch: XLA
+        # copies the loop state (the KV cache) into a conditional's branch every iteration,
+        # while loops update it in place. Every pass runs at least one iteration.
+        def pick(s):
+            return jnp.where(force_k >= 0, force_k, choose_k(s.adapt, adaptive, s.stats.target_forwards))
+
+        for i, k in enumerate(adaptive.ks):
+            s = jax.lax.while_loop(lambda s, i=i: cond(s) & (pick(s) == i),
+                                   partial(step, d=variants[k], k=k), s)
+        return s
 
     row_axes = _state_row_axes(drafter, policy, batch, max_len) if refill else None
     padded_prompts = jnp.full((num_prompts, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
@@ -484,8 +578,13 @@ def _generate_jit(
             prefill_forwards=st.prefill_forwards + n_start,
             draft_forwards=st.draft_forwards + n_start * drafter.forwards_per_observe,
         )
+        pending = s.pending
+        if pending is not None:  # a new rollout's row: the old one's deferred entries go
+            pending = dataclasses.replace(
+                pending, positions=jnp.where(start[:, None], -1, pending.positions))
         return dataclasses.replace(
             s,
+            pending=pending,
             buffer=jnp.where(start[:, None], padded_prompts[prompt_of], s.buffer),
             logprobs=jnp.where(start[:, None], 0.0, s.logprobs),
             lengths=jnp.where(start, prompt_lengths[prompt_of], s.lengths),

@@ -50,6 +50,13 @@ class OracleDrafter(_ModelFree):
     max_depth = property(lambda self: self.k)
     supports_rejection = False
 
+    def with_k(self, k: int) -> OracleDrafter:
+        """The first k depths of the same drafts (adaptive draft length)."""
+        if not 1 <= k <= self.k:
+            raise ValueError(f"OracleDrafter has acceptance rates for depths 1..{self.k}; "
+                             f"k={k} is out of that range")
+        return dataclasses.replace(self, acceptance=self.acceptance[:k])
+
     def check_compatible(self, policy) -> None:
         if self.vocab_size != policy.config.vocab_size:
             raise ValueError(f"OracleDrafter.vocab_size {self.vocab_size} differs from the "

@@ -1,0 +1,259 @@
+"""Adaptive draft length: `generate(adaptive=AdaptiveK(...))` picks k (0 = plain) per iteration.
+
+References: plain decoding token for token (replay is lossless for any draft length
+schedule), a chi-square joint law for rejection sampling with the schedule switching, a
+brute-force enumeration of acceptance outcomes for the expected tokens per iteration, and
+explicit loops for the acceptance counts.
+"""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decoding import AdaptiveK, SamplingConfig, TreeSpec, generate, measure_costs
+from jaxspec.decoding.adaptive import AdaptState, choose_k, conditional_acceptance, expected_tokens
+from jaxspec.decoding.arguments import pad_prompts
+from jaxspec.decoding.drafters import Eagle3Drafter, NGramDrafter
+from jaxspec.decoding.engine import _generate
+from jaxspec.decoding.oracle import oracle_drafter
+from jaxspec.decoding.protocols import Observation
+from jaxspec.models import ModelConfig, Policy
+from jaxspec.models.eagle3 import Eagle3Head
+
+KEY = jax.random.key(7)
+STOPS = (5, 9, 17)
+SAMPLING = SamplingConfig(temperature=1.0)
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def setup():
+    policy = Policy.init(ModelConfig.tiny("qwen3", num_layers=2), jax.random.key(0))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, policy.config.vocab_size, size=n).tolist() for n in (3, 7, 1, 5, 2, 6, 4)]
+    tokens, lengths = pad_prompts(prompts)
+    common = dict(sampling=SAMPLING, max_new_tokens=MAX_NEW, key=KEY, stop_tokens=STOPS)
+    plain = generate(policy, prompts, **common)
+    head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
+    vocab = policy.config.vocab_size
+    drafters = {
+        "eagle3": Eagle3Drafter(head, k=3),
+        "ngram": NGramDrafter(k=3, min_n=1, max_n=2),
+        "oracle": oracle_drafter(tokens, lengths, plain.tokens, [0.9, 0.7, 0.5], vocab_size=vocab),
+        "oracle_perfect": oracle_drafter(tokens, lengths, plain.tokens, [1.0, 1.0, 1.0], vocab_size=vocab),
+        "oracle_wrong": oracle_drafter(tokens, lengths, plain.tokens, [0.0, 0.0, 0.0], vocab_size=vocab),
+    }
+    return dict(policy=policy, prompts=prompts, common=common, plain=plain, drafters=drafters)
+
+
+def _assert_plain(out, plain):
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(plain.lengths))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(plain.logprobs), atol=1e-5)
+
+
+# Costs that make the schedule switch: k = 0 is cheapest per iteration, drafting pays when
+# acceptance is high enough (the oracle's 0.9 / 0.7 / 0.5 picks k = 1 or 2).
+SWITCHING = AdaptiveK(jnp.array([1.0, 1.5, 1.9, 2.4]), probe_every=4)
+
+
+@pytest.mark.parametrize("name,slots", [("eagle3", None), ("eagle3", 3), ("ngram", 3),
+                                        ("oracle", None), ("oracle", 3)])
+def test_adaptive_equals_plain_token_for_token(setup, name, slots):
+    out = generate(setup["policy"], setup["prompts"], drafter=setup["drafters"][name],
+                   adaptive=SWITCHING, slots=slots, **setup["common"])
+    _assert_plain(out, setup["plain"])
+    k_iters = np.asarray(out.stats.k_iterations)
+    assert k_iters.sum() == int(out.stats.target_forwards)
+    if name in ("eagle3", "ngram"):  # random drafts: mostly plain, with probes
+        assert k_iters[0] > 0 and k_iters[1:].sum() > 0
+
+
+@pytest.mark.parametrize("force", [0, 1, 2, 3])
+def test_every_forced_k_equals_plain(setup, force):
+    """Each compiled branch alone (k = 0 defers EAGLE-3's observations for the whole call,
+    more than the window holds)."""
+    out = _generate(setup["policy"], setup["prompts"], drafter=setup["drafters"]["eagle3"],
+                    adaptive=SWITCHING, force_k=force, **setup["common"])
+    _assert_plain(out, setup["plain"])
+    k_iters = np.asarray(out.stats.k_iterations)
+    assert k_iters[force] == int(out.stats.target_forwards) and k_iters.sum() == k_iters[force]
+
+
+def test_schedule_follows_acceptance(setup):
+    """Perfect drafts at near-equal costs: the deepest k from the first verification on.
+    Wrong drafts: plain decoding, drafting only at the probes (every probe_every-th
+    iteration, the first included, one k deeper than the best: k = 1)."""
+    policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
+    cheap = AdaptiveK(jnp.array([1.0, 1.05, 1.1, 1.15]), probe_every=4)
+    out = generate(policy, prompts, drafter=setup["drafters"]["oracle_perfect"], adaptive=cheap, **common)
+    _assert_plain(out, setup["plain"])
+    k_iters = np.asarray(out.stats.k_iterations)
+    assert k_iters[3] >= k_iters.sum() - 1, k_iters
+    out = generate(policy, prompts, drafter=setup["drafters"]["oracle_wrong"], adaptive=SWITCHING, **common)
+    _assert_plain(out, setup["plain"])
+    k_iters = np.asarray(out.stats.k_iterations)
+    n = k_iters.sum()
+    assert k_iters[2:].sum() == 0
+    assert k_iters[1] == (n + 3) // 4, k_iters  # iterations 0, 4, 8, ...
+
+
+def _expected_tokens_brute_force(alpha, k):
+    """Sum over the accept/reject outcomes of the k drafts: the run of accepted drafts ends
+    at the first rejection (later coins are not looked at: one canonical outcome each)."""
+    total = 0.0
+    for outcome in itertools.product([True, False], repeat=k):
+        stop = outcome.index(False) if False in outcome else k
+        if any(outcome[stop + 1 :]):
+            continue
+        prob = np.prod(alpha[:stop]) * (1 - alpha[stop] if stop < k else 1.0)
+        total += prob * (1 + stop)
+    return total
+
+
+def _alpha_reference(reached, accepted, prior, weight):
+    alpha, prev = [], prior
+    for r, a in zip(reached, accepted):
+        prev = (a + weight * prev) / (r + weight)
+        alpha.append(prev)
+    return np.array(alpha)
+
+
+def test_choice_against_brute_force():
+    rng = np.random.default_rng(0)
+    ks = (0, 1, 2, 3, 5)
+    for trial in range(40):
+        reached = rng.uniform(0, 40, size=5)
+        accepted = reached * rng.uniform(0, 1, size=5)
+        costs = np.sort(rng.uniform(1.0, 4.0, size=len(ks)))
+        costs[0] = 1.0
+        prior = float(rng.uniform())
+        iteration = int(rng.integers(0, 9))
+        policy = AdaptiveK(jnp.asarray(costs), prior=prior, ks=ks, probe_every=4)
+        state = AdaptState(jnp.asarray(reached, jnp.float32), jnp.asarray(accepted, jnp.float32))
+        alpha = _alpha_reference(reached, accepted, prior, policy.prior_weight)
+        np.testing.assert_allclose(np.asarray(conditional_acceptance(state, policy)), alpha, rtol=1e-5)
+        expected = np.array([_expected_tokens_brute_force(alpha, k) for k in ks])
+        np.testing.assert_allclose(np.asarray(expected_tokens(jnp.asarray(alpha), ks)), expected, rtol=1e-5)
+        rate = expected / costs
+        best = int(np.argmax(rate))
+        if iteration % 4 == 0:
+            best = min(best + 1, len(ks) - 1)  # the probe: one k deeper
+        if np.sort(rate)[-1] - np.sort(rate)[-2] > 1e-4:  # no near-tie
+            assert int(choose_k(state, policy, iteration)) == best, (trial, rate, iteration)
+
+
+def test_acceptance_counts_against_loops():
+    policy = AdaptiveK(jnp.ones(4), decay=0.5)
+    state = AdaptState.zeros(policy)
+    num_accepted = np.array([0, 2, 1, 2, 0, 1])
+    active = np.array([True, True, True, False, True, True])
+    new = state.update(policy, 2, jnp.asarray(num_accepted), jnp.asarray(active))
+    reached = np.zeros(3)
+    accepted = np.zeros(3)
+    for n, a in zip(num_accepted, active):
+        for depth in range(2):  # k = 2: depths 1 and 2 were drafted
+            if a and n >= depth:
+                reached[depth] += 1
+                accepted[depth] += n > depth
+    np.testing.assert_allclose(np.asarray(new.reached), reached)
+    np.testing.assert_allclose(np.asarray(new.accepted), accepted)
+    again = new.update(policy, 1, jnp.asarray(num_accepted), jnp.asarray(active))
+    np.testing.assert_allclose(np.asarray(again.reached), [0.5 * reached[0] + reached[0], reached[1], 0])
+    same = new.update(policy, 0, jnp.asarray(num_accepted), jnp.asarray(active))  # k = 0: no data
+    np.testing.assert_array_equal(np.asarray(same.reached), np.asarray(new.reached))
+
+
+def test_deferred_observation_equals_step_by_step(setup):
+    """What k = 0 relies on: EAGLE-3 observing entries in one call leaves the same head
+    state as observing them one at a time."""
+    policy, drafter = setup["policy"], setup["drafters"]["eagle3"]
+    batch, n, max_len = 2, 4, 16
+    seq = jnp.asarray(np.random.default_rng(1).integers(3, 60, size=(batch, n + 1)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+    _, captured, _ = policy.forward(seq[:, :n], positions, policy.init_cache(batch, max_len),
+                                    capture=drafter.capture_layers)
+    obs = Observation(seq[:, :n], seq[:, 1:], positions, captured)
+    together = drafter.observe(drafter.init_state(policy, batch, max_len), policy, obs)
+    apart = drafter.init_state(policy, batch, max_len)
+    for i in range(n):
+        apart = drafter.observe(apart, policy, jax.tree.map(lambda x: x[:, i : i + 1], obs))
+    np.testing.assert_allclose(np.asarray(together.last_hidden), np.asarray(apart.last_hidden), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(together.cache.k), np.asarray(apart.cache.k), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(together.cache.lengths), np.asarray(apart.cache.lengths))
+
+
+def test_rejection_with_switching_k_follows_the_joint_law():
+    """Chi-square: 8192 rollouts of one prompt, 3 tokens each, rejection sampling with
+    sampled EAGLE-3 drafts while the schedule switches k between 0 and 3 (asserted). The
+    (y0, y1, y2) counts must follow the policy's joint law, computed in float64 from full
+    forwards. Level 1e-5 (this test's false-failure probability, on top of the suite's
+    other law tests). Power: the same counts against the law at temperature 0.8 are rejected."""
+    from numpy_reference import law_test, processed_probs
+
+    from jaxspec.models.transformer import random_policy
+
+    vocab, n, prompt = 6, 8192, [1, 2, 1]
+    policy = random_policy(ModelConfig.tiny("qwen3", vocab_size=vocab, num_layers=1,
+                                            max_position_embeddings=16), seed=5)
+    head = Eagle3Head.init_for(policy, vocab, jax.random.key(3))
+    adaptive = AdaptiveK(jnp.array([1.0, 1.2, 1.4, 1.6]), probe_every=2)
+    out = generate(policy, [prompt] * n, drafter=Eagle3Drafter(head, k=3), adaptive=adaptive,
+                   method="rejection", sampling=SAMPLING, max_new_tokens=3, key=jax.random.key(9),
+                   slots=64)
+    k_iters = np.asarray(out.stats.k_iterations)
+    assert (k_iters > 0).sum() >= 2, k_iters
+    y = np.asarray(out.tokens)
+    counts = np.bincount((y[:, 0] * vocab + y[:, 1]) * vocab + y[:, 2], minlength=vocab**3)
+    seqs = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)], np.int32)
+    logits, _, _ = policy.forward(seqs, np.broadcast_to(np.arange(5), seqs.shape))
+    logits = np.asarray(logits, np.float64)
+
+    def law(temperature):
+        p0 = processed_probs(logits[0, 2], temperature, 0, 1.0)
+        p1 = processed_probs(logits[::vocab, 3], temperature, 0, 1.0)  # [y0, y1]
+        p2 = processed_probs(logits[:, 4], temperature, 0, 1.0).reshape(vocab, vocab, vocab)
+        return (p0[:, None, None] * p1[:, :, None] * p2).reshape(-1)
+
+    p_value, statistic, outside = law_test(counts, law(1.0))
+    assert outside == 0 and p_value >= 1e-5, (p_value, statistic)
+    assert law_test(counts, law(0.8))[0] < 1e-5
+
+
+def test_measure_costs_returns_positive_costs(setup):
+    adaptive = measure_costs(setup["policy"], setup["drafters"]["ngram"], setup["prompts"],
+                             iterations=8, rounds=2, **setup["common"])
+    assert adaptive.ks == (0, 1, 2, 3)
+    costs = np.asarray(adaptive.costs)
+    assert costs.shape == (4,) and np.all(np.isfinite(costs) & (costs > 0))
+
+
+def test_bad_adaptive_fails_before_compiling(setup):
+    policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
+    eagle = setup["drafters"]["eagle3"]
+    with pytest.raises(ValueError, match="AdaptiveK.ks must be"):
+        AdaptiveK(jnp.ones(2), ks=(1, 0))
+    with pytest.raises(ValueError, match="AdaptiveK.ks must be"):
+        AdaptiveK(jnp.ones(1), ks=(0,))
+    with pytest.raises(ValueError, match="one cost per k"):
+        AdaptiveK(jnp.ones(3))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        AdaptiveK(jnp.array([1.0, 0.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="prior must be a number in"):
+        AdaptiveK(jnp.ones(4), prior=1.5)
+    with pytest.raises(ValueError, match="probe_every must be an int"):
+        AdaptiveK(jnp.ones(4), probe_every=0)
+    with pytest.raises(TypeError, match="adaptive must be a jaxspec.decoding.AdaptiveK"):
+        generate(policy, prompts, drafter=eagle, adaptive=[0, 1], **common)
+    with pytest.raises(ValueError, match="needs a chain drafter"):
+        generate(policy, prompts, adaptive=SWITCHING, **common)
+    tree = dataclasses.replace(eagle, tree=TreeSpec(top_k=2, depth=2, budget=3))
+    with pytest.raises(ValueError, match="needs chain drafts"):
+        generate(policy, prompts, drafter=tree, adaptive=SWITCHING, **common)
+    with pytest.raises(ValueError, match="depths 1..3; k=5"):
+        generate(policy, prompts, drafter=setup["drafters"]["oracle"],
+                 adaptive=AdaptiveK(jnp.ones(3), ks=(0, 1, 5)), **common)
