@@ -494,6 +494,9 @@ class DraftSpec(_Section):
     # history: group-aware suffix drafts; hybrid: history + the EAGLE-3 chain in one tree
     kind: Literal["none", "eagle3", "mtp", "draft_model", "ngram", "history", "hybrid"] = "eagle3"
     k: int = _field(3, **_ge(1))  # chain length (drafted tokens per verify)
+    # choose k in 0..k (0 = plain) per loop iteration from costs measured at start-up and the
+    # live acceptance (chain kinds eagle3 / mtp / draft_model / ngram)
+    adaptive_k: bool = False
     tree: Optional[TreeSpec] = None  # noqa: F821 (lazy) null: chain drafting
     draft_vocab_size: Optional[int] = _field(None, **_ge(1))  # null: the policy's vocabulary
     hf_path: Optional[str] = None  # pretrained head (eagle3/mtp) or draft model directory
@@ -523,6 +526,13 @@ class DraftSpec(_Section):
                     **dict(self.history.drafter_settings(self.k), k=deepest)))
             except ConfigError as e:
                 raise e.under("history") from None
+        if self.adaptive_k and (self.kind not in ("eagle3", "mtp", "draft_model", "ngram")
+                                or self.tree is not None):
+            raise ConfigError("adaptive_k", True,
+                              f"adaptive draft length needs chain drafts; draft kind "
+                              f"'{self.kind}'" + (" with draft.tree" if self.tree is not None else "")
+                              + " has none", "false, or kind eagle3 / mtp / draft_model / ngram "
+                              "without draft.tree")
         if self.kind == "draft_model" and self.model is None and self.hf_path is None:
             raise ConfigError("model", None, "kind 'draft_model' needs a model",
                               "a model spec (draft.model.*) or draft.hf_path")
@@ -792,6 +802,12 @@ class Config(_Section):
             raise ConfigError("rollout.method", "rejection",
                               "the rejection rule verifies sampled chains, not trees",
                               "'replay' or 'greedy', or draft.tree=null")
+        if self.rollout.method == "rejection" and d.adaptive_k:
+            raise ConfigError("rollout.method", "rejection",
+                              "with draft.adaptive_k the k schedule follows measured timings, and "
+                              "with rejection sampling the tokens follow the drafts, so a run (or "
+                              "its resume) would not be reproducible",
+                              "'replay' (tokens independent of the drafts), or draft.adaptive_k=false")
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         slots = self.rollout.slots
         if slots is not None and slots < batch and d.kind in ("history", "hybrid"):

@@ -74,7 +74,7 @@ class AdaptiveK:
             prior = np.asarray(self.prior, np.float64)
             if prior.shape != () or not 0.0 <= float(prior) <= 1.0:
                 raise ValueError(f"AdaptiveK.prior must be a number in [0, 1]; got {self.prior!r}")
-            object.__setattr__(self, "prior", jnp.asarray(prior, jnp.float32))
+            object.__setattr__(self, "prior", np.asarray(prior, np.float32))
         if not self.prior_weight > 0.0:
             raise ValueError(f"AdaptiveK.prior_weight must be > 0; got {self.prior_weight!r}")
         if isinstance(self.costs, (jax.Array, np.ndarray, list, tuple)):
@@ -86,7 +86,8 @@ class AdaptiveK:
                 c = np.asarray(self.costs, np.float64)
                 if not np.all(np.isfinite(c) & (c > 0)):
                     raise ValueError(f"AdaptiveK.costs must be finite and > 0; got {c.tolist()}")
-                object.__setattr__(self, "costs", jnp.asarray(c, jnp.float32))
+                # host arrays: a jit argument placed the same way wherever it was made
+                object.__setattr__(self, "costs", np.asarray(c, np.float32))
 
     @property
     def max_k(self) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec import parallel
+from jaxspec.decoding.adaptive import measure_costs
 from jaxspec.decoding.engine import generate
 from jaxspec.rl.steps import score_rollouts
 
@@ -169,12 +170,21 @@ class Cluster:
         """A Policy on its rule shardings over the generation devices (no timing)."""
         return parallel.shard_policy(policy, self.gen_mesh, self.rules)
 
+    def _placed(self, rows, key):
+        rows = parallel.shard_batch(np.asarray(rows, np.int32), self.gen_mesh, self.rules)
+        return rows, parallel.place(key, NamedSharding(self.gen_mesh, PartitionSpec()))
+
+    def measure_costs(self, policy, drafter, prompts, *, rows, key, **kwargs):
+        """`jaxspec.decoding.measure_costs` on the generation devices, as `generate` runs."""
+        rows, key = self._placed(rows, key)
+        with jax.set_mesh(self.gen_mesh):
+            return measure_costs(policy, drafter, prompts, rows=rows, key=key, **kwargs)
+
     def generate(self, policy, prompts, *, rows, key, **kwargs):
         """`jaxspec.decoding.generate` on the generation devices: `rows` (global rollout ids,
         [B] int) on the batch sharding, so GSPMD splits the rollouts over the generation
         mesh; every other argument is generate's."""
-        rows = parallel.shard_batch(np.asarray(rows, np.int32), self.gen_mesh, self.rules)
-        key = parallel.place(key, NamedSharding(self.gen_mesh, PartitionSpec()))
+        rows, key = self._placed(rows, key)
         with jax.set_mesh(self.gen_mesh):
             out = generate(policy, prompts, rows=rows, key=key, **kwargs)
         # multi-process: every process gets all rows (rewards, the queue and the logprob

@@ -41,6 +41,10 @@ def step_metrics(batch, grpo_metrics: dict, draft_metrics: dict, *,
         m["acceptance_rate"] = float(accepted.sum() / max(proposed.sum(), 1.0))
         for j, rate in enumerate(stats.per_position_acceptance):
             m[f"spec/acceptance_at_{j + 1}"] = float(rate)
+    if getattr(stats, "k_iterations", None) is not None:  # draft.adaptive_k
+        m["spec/mean_k"] = stats.mean_k
+        m["spec/plain_fraction"] = float(np.asarray(stats.k_iterations)[0]
+                                         / max(int(stats.target_forwards), 1))
     m["spec/target_forwards"] = int(stats.target_forwards)
     m["spec/draft_forwards"] = int(stats.draft_forwards)
     if not math.isnan(float(batch.plain_time_s)):

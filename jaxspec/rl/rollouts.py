@@ -46,15 +46,18 @@ class RolloutBatch:
         return jax.tree.map(np.asarray, self)
 
 
-def abstract_batch(batch: int, prompt_len: int, new: int, depth: int) -> RolloutBatch:
-    """The shapes of a RolloutBatch (a checkpoint restore target for the queue)."""
+def abstract_batch(batch: int, prompt_len: int, new: int, depth: int,
+                   max_k: int | None = None) -> RolloutBatch:
+    """The shapes of a RolloutBatch (a checkpoint restore target for the queue); max_k: the
+    adaptive draft length's largest k (None: not adaptive)."""
     s = jax.ShapeDtypeStruct
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
     stats = RolloutStats(target_forwards=s((), i32), draft_forwards=s((), i32),
                          row_steps=s((batch,), i32), tokens_generated=s((batch,), i32),
                          accepted_at=s((depth,), i32), proposed_at=s((depth,), i32),
                          wall_time_s=s((), f32), slot_steps=s((), i32),
-                         prefill_forwards=s((), i32))
+                         prefill_forwards=s((), i32),
+                         k_iterations=None if max_k is None else s((max_k + 1,), i32))
     return RolloutBatch(prompts=s((batch, prompt_len), i32), prompt_lengths=s((batch,), i32),
                         tokens=s((batch, new), i32), lengths=s((batch,), i32),
                         gen_logprobs=s((batch, new), f32), rewards=s((batch,), f32),
@@ -160,6 +163,9 @@ class RolloutWorker:
         r = cfg.rollout
         self.batch_size = r.prompts_per_step * r.group_size
         self._compiled = False
+        # draft.adaptive_k: the per-k iteration costs, measured once (compile()), and the
+        # previous step's first-depth acceptance as the next call's prior
+        self.adaptive = None
         # {step: the drafter's Rollouts.draft_stats} until the trainer logs them (hybrid:
         # accepted drafts by source); host ints, not checkpointed
         self.draft_stats: dict[int, dict[str, int]] = {}
@@ -200,15 +206,26 @@ class RolloutWorker:
                                           self.cfg.rollout.max_prompt_len)
         return examples, np.repeat(prompts, g, axis=0), np.repeat(lengths, g, axis=0)
 
+    def _generate_kwargs(self, key, step: int) -> dict:
+        r = self.cfg.rollout
+        return dict(rows=np.arange(self.batch_size, dtype=np.int32) + step * self.batch_size,
+                    key=jax.random.fold_in(key, step), sampling=self.sampling,
+                    max_new_tokens=r.max_new_tokens, stop_tokens=tuple(self.tokenizer.eos_ids),
+                    method=r.method, pad_id=self.tokenizer.pad_id, slots=r.slots)
+
     def generate(self, policy, drafter, key, step: int, prompts, lengths):
         """The rollouts of `step`: rollout ids step*B .. step*B + B-1, key fold_in(key, step)."""
-        r = self.cfg.rollout
-        rows = np.arange(self.batch_size, dtype=np.int32) + step * self.batch_size
-        return self.cluster.generate(
-            policy, (prompts, lengths), drafter=drafter, rows=rows,
-            key=jax.random.fold_in(key, step), sampling=self.sampling,
-            max_new_tokens=r.max_new_tokens, stop_tokens=tuple(self.tokenizer.eos_ids),
-            method=r.method, pad_id=self.tokenizer.pad_id, slots=r.slots)
+        kwargs = self._generate_kwargs(key, step)
+        if self.cfg.draft.adaptive_k and _speculates(drafter):
+            if self.adaptive is None:  # once, on the real shapes (compiles generation too)
+                self.adaptive = self.cluster.measure_costs(
+                    policy, drafter, (prompts, lengths), verbose=True, **kwargs)
+            kwargs["adaptive"] = self.adaptive
+        out = self.cluster.generate(policy, (prompts, lengths), drafter=drafter, **kwargs)
+        if "adaptive" in kwargs and int(np.asarray(out.stats.proposed_at)[0]) > 0:
+            prior = float(out.stats.per_position_acceptance[0])
+            self.adaptive = dataclasses.replace(self.adaptive, prior=prior)
+        return out
 
     def ended(self, tokens, lengths) -> np.ndarray:  # [B] bool
         """Which completions stopped at an EOS (generation includes the stop token)."""

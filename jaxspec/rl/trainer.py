@@ -258,7 +258,8 @@ class GRPOTrainer:
         r = self.cfg.rollout
         ckpt = _checkpoint_dir(self.cfg)
         restore_checkpoint(ckpt, step, self.state, lambda: abstract_batch(
-            self.batch_size, r.max_prompt_len, r.max_new_tokens, depth),
+            self.batch_size, r.max_prompt_len, r.max_new_tokens, depth,
+            self.cfg.draft.k if self.cfg.draft.adaptive_k and depth else None),
             shardings=self.cluster.restore_target)
         self.log(f"resumed from {ckpt} at step {self.completed}")
 
