@@ -13,9 +13,11 @@ row of a fixed-shape batch pays an iteration whether it is live or not, so the n
 live rows multiplies every candidate's tokens alike and drops out of the choice; the batch
 size enters through c_k, measured at that batch.
 
-A depth that is not drafted is not measured (while k = 0 wins, nothing is): every
-`probe_every`-th iteration (the first included) drafts one step deeper than the best k, so
-every estimate keeps being refreshed and a stale low one cannot lock a short k in. A drafter whose `observe` runs a
+A depth that is not drafted is not measured (while k = 0 wins, nothing is): probe
+iterations (the first one, then every `probe_every`) draft one step deeper than the best k,
+so every estimate keeps being refreshed and a stale low one cannot lock a short k in. A
+probe that leaves the best k unchanged doubles the interval to the next one (up to
+16 x probe_every), one that changes it resets the interval: bad drafts cost few probes. A drafter whose `observe` runs a
 network (EAGLE-3, MTP, a draft model) does not observe during k = 0 iterations either: the
 last `window` committed entries are kept and observed in one forward before the next draft
 (entries older than that are never seen by it: drafts after a long plain stretch see less
@@ -97,18 +99,31 @@ class AdaptiveK:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AdaptState:
-    """Decayed per-depth counts over the live rows of drafted iterations."""
+    """Decayed per-depth counts over the live rows of drafted iterations; the probe clock."""
 
     reached: jax.Array  # [max_k] f32 rows whose drafts before depth j were all accepted
     accepted: jax.Array  # [max_k] f32 ... and whose draft at depth j was accepted too
+    next_probe: jax.Array  # [] int32 the iteration of the next probe
+    interval: jax.Array  # [] int32 iterations between probes now
 
     @classmethod
     def zeros(cls, policy: AdaptiveK) -> AdaptState:
-        return cls(jnp.zeros((policy.max_k,), jnp.float32), jnp.zeros((policy.max_k,), jnp.float32))
+        """No counts; the first iteration probes."""
+        zero = jnp.zeros((policy.max_k,), jnp.float32)
+        return cls(zero, zero, jnp.zeros((), jnp.int32), jnp.asarray(policy.probe_every, jnp.int32))
 
-    def update(self, policy: AdaptiveK, k: int, num_accepted, active) -> AdaptState:
-        """After an iteration at static draft length k: num_accepted [B] drafts accepted per
-        row (before any stop-token cut), active [B] rows that were live."""
+    def update(self, policy: AdaptiveK, k: int, num_accepted, active, iteration) -> AdaptState:
+        """After iteration `iteration` ran at static draft length k: num_accepted [B] drafts
+        accepted per row (before any stop-token cut), active [B] rows that were live."""
+        counted = self._count(policy, k, num_accepted, active)
+        probed = iteration >= self.next_probe
+        same = _best(counted, policy) == _best(self, policy)
+        interval = jnp.where(probed, jnp.where(same, jnp.minimum(2 * self.interval, 16 * policy.probe_every),
+                                               policy.probe_every), self.interval).astype(jnp.int32)
+        return dataclasses.replace(counted, interval=interval,
+                                   next_probe=jnp.where(probed, iteration + interval, self.next_probe))
+
+    def _count(self, policy: AdaptiveK, k: int, num_accepted, active) -> AdaptState:
         if k == 0:
             return self
         depth = jnp.arange(policy.max_k, dtype=jnp.int32)[None, :]  # depth j + 1
@@ -117,7 +132,8 @@ class AdaptState:
         accepted = jnp.sum(live & (num_accepted[:, None] > depth), axis=0).astype(jnp.float32)
         tried = (depth[0] < k)  # only depths this k drafted decay and learn
         decay = jnp.where(tried, policy.decay, 1.0)
-        return AdaptState(
+        return dataclasses.replace(
+            self,
             reached=self.reached * decay + jnp.where(tried, reached, 0.0),
             accepted=self.accepted * decay + jnp.where(tried, accepted, 0.0),
         )
@@ -142,12 +158,17 @@ def expected_tokens(alpha, ks) -> jax.Array:
     return 1.0 + cum[jnp.asarray(ks)]
 
 
+def _best(state: AdaptState, policy: AdaptiveK) -> jax.Array:
+    """[] int32 index into `policy.ks` of the most expected tokens per cost."""
+    rate = expected_tokens(conditional_acceptance(state, policy), policy.ks) / policy.costs
+    return jnp.argmax(rate).astype(jnp.int32)
+
+
 def choose_k(state: AdaptState, policy: AdaptiveK, iteration) -> jax.Array:
     """[] int32 index into `policy.ks` for loop iteration `iteration` (0-based): the best
-    expected tokens per cost, one k deeper on every `probe_every`-th iteration."""
-    rate = expected_tokens(conditional_acceptance(state, policy), policy.ks) / policy.costs
-    best = jnp.argmax(rate).astype(jnp.int32)
-    probe = iteration % policy.probe_every == 0
+    expected tokens per cost, one k deeper at a probe iteration."""
+    best = _best(state, policy)
+    probe = iteration >= state.next_probe
     return jnp.where(probe, jnp.minimum(best + 1, len(policy.ks) - 1), best).astype(jnp.int32)
 
 

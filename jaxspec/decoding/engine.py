@@ -420,10 +420,18 @@ def _generate_jit(
         return jnp.any(~s.done) & (s.stats.target_forwards < max_iterations)
 
     def flush(draft_state, pending):
-        """Observe the deferred entries (if any) in one forward; -> (state, window, forwards)."""
+        """Observe the deferred entries (if any) in one forward; -> (state, window, forwards).
+        The window is a ring: its entries go in position order, padding last."""
         has = jnp.any(pending.positions >= 0)
-        draft_state = jax.lax.cond(
-            has, lambda st: drafter.observe(st, policy, pending), lambda st: st, draft_state)
+
+        def observe(st):
+            order = jnp.argsort(jnp.where(pending.positions >= 0, pending.positions, max_len), axis=1)
+            ordered = jax.tree.map(
+                lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
+                pending)
+            return drafter.observe(st, policy, ordered)
+
+        draft_state = jax.lax.cond(has, observe, lambda st: st, draft_state)
         pending = dataclasses.replace(pending, positions=jnp.full_like(pending.positions, -1))
         return draft_state, pending, has.astype(jnp.int32) * drafter.forwards_per_observe
 
@@ -444,6 +452,7 @@ def _generate_jit(
             sequences=s.prompt_of,
         )
         draft_state, pending, flushed = s.draft_state, s.pending, 0
+        st_iter = s.stats.target_forwards
         if defer and k:
             draft_state, pending, flushed = flush(draft_state, pending)
         tree, draft_probs, draft_state = d.propose(draft_state, policy, ctx)
@@ -493,8 +502,10 @@ def _generate_jit(
                 for layer, h in captured.items()
             },
         )
-        if defer and k == 0:  # one entry per row: slide it into the window
-            pending = jax.tree.map(lambda w, e: jnp.concatenate([w[:, 1:], e], axis=1), pending, obs)
+        if defer and k == 0:  # one entry per row, written over the window's oldest
+            at = st_iter % adaptive.window
+            pending = jax.tree.map(lambda w, e: jax.lax.dynamic_update_slice_in_dim(w, e, at, axis=1),
+                                   pending, obs)
         else:
             draft_state = drafter.observe(draft_state, policy, obs)
 
@@ -519,7 +530,7 @@ def _generate_jit(
         out = dataclasses.replace(
             s, buffer=buffer, logprobs=logprobs, lengths=new_lengths, done=done, cache=cache,
             draft_state=draft_state, stats=stats, pending=pending,
-            adapt=None if k is None else s.adapt.update(adaptive, k, num_accepted, active),
+            adapt=None if k is None else s.adapt.update(adaptive, k, num_accepted, active, st_iter),
         )
         if refill:
             out = _refill(harvest(out, done & ~s.done))

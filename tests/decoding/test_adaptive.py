@@ -86,8 +86,9 @@ def test_every_forced_k_equals_plain(setup, force):
 
 def test_schedule_follows_acceptance(setup):
     """Perfect drafts at near-equal costs: the deepest k from the first verification on.
-    Wrong drafts: plain decoding, drafting only at the probes (every probe_every-th
-    iteration, the first included, one k deeper than the best: k = 1)."""
+    Wrong drafts: plain decoding, drafting only at the probes (one k deeper than the best:
+    k = 1), the first at iteration 0, then at intervals doubling from probe_every (no
+    probe changes the best k) up to 16 x probe_every."""
     policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
     cheap = AdaptiveK(jnp.array([1.0, 1.05, 1.1, 1.15]), probe_every=4)
     out = generate(policy, prompts, drafter=setup["drafters"]["oracle_perfect"], adaptive=cheap, **common)
@@ -99,7 +100,12 @@ def test_schedule_follows_acceptance(setup):
     k_iters = np.asarray(out.stats.k_iterations)
     n = k_iters.sum()
     assert k_iters[2:].sum() == 0
-    assert k_iters[1] == (n + 3) // 4, k_iters  # iterations 0, 4, 8, ...
+    probes, t, interval = 0, 0, 4
+    while t < n:  # iterations 0, 8, 24, 56, ...
+        probes += 1
+        interval = min(2 * interval, 64)
+        t += interval
+    assert k_iters[1] == probes, (k_iters, probes)
 
 
 def _expected_tokens_brute_force(alpha, k):
@@ -133,15 +139,17 @@ def test_choice_against_brute_force():
         costs[0] = 1.0
         prior = float(rng.uniform())
         iteration = int(rng.integers(0, 9))
+        next_probe = int(rng.integers(0, 9))
         policy = AdaptiveK(jnp.asarray(costs), prior=prior, ks=ks, probe_every=4)
-        state = AdaptState(jnp.asarray(reached, jnp.float32), jnp.asarray(accepted, jnp.float32))
+        state = AdaptState(jnp.asarray(reached, jnp.float32), jnp.asarray(accepted, jnp.float32),
+                           jnp.asarray(next_probe, jnp.int32), jnp.asarray(4, jnp.int32))
         alpha = _alpha_reference(reached, accepted, prior, policy.prior_weight)
         np.testing.assert_allclose(np.asarray(conditional_acceptance(state, policy)), alpha, rtol=1e-5)
         expected = np.array([_expected_tokens_brute_force(alpha, k) for k in ks])
         np.testing.assert_allclose(np.asarray(expected_tokens(jnp.asarray(alpha), ks)), expected, rtol=1e-5)
         rate = expected / costs
         best = int(np.argmax(rate))
-        if iteration % 4 == 0:
+        if iteration >= next_probe:
             best = min(best + 1, len(ks) - 1)  # the probe: one k deeper
         if np.sort(rate)[-1] - np.sort(rate)[-2] > 1e-4:  # no near-tie
             assert int(choose_k(state, policy, iteration)) == best, (trial, rate, iteration)
@@ -152,7 +160,7 @@ def test_acceptance_counts_against_loops():
     state = AdaptState.zeros(policy)
     num_accepted = np.array([0, 2, 1, 2, 0, 1])
     active = np.array([True, True, True, False, True, True])
-    new = state.update(policy, 2, jnp.asarray(num_accepted), jnp.asarray(active))
+    new = state.update(policy, 2, jnp.asarray(num_accepted), jnp.asarray(active), 0)
     reached = np.zeros(3)
     accepted = np.zeros(3)
     for n, a in zip(num_accepted, active):
@@ -162,10 +170,13 @@ def test_acceptance_counts_against_loops():
                 accepted[depth] += n > depth
     np.testing.assert_allclose(np.asarray(new.reached), reached)
     np.testing.assert_allclose(np.asarray(new.accepted), accepted)
-    again = new.update(policy, 1, jnp.asarray(num_accepted), jnp.asarray(active))
+    again = new.update(policy, 1, jnp.asarray(num_accepted), jnp.asarray(active), 1)
     np.testing.assert_allclose(np.asarray(again.reached), [0.5 * reached[0] + reached[0], reached[1], 0])
-    same = new.update(policy, 0, jnp.asarray(num_accepted), jnp.asarray(active))  # k = 0: no data
+    same = new.update(policy, 0, jnp.asarray(num_accepted), jnp.asarray(active), 2)  # k = 0: no data
     np.testing.assert_array_equal(np.asarray(same.reached), np.asarray(new.reached))
+    # The probe clock: iteration 0 probed; at equal costs the deepest k is best before and
+    # after (every alpha > 0), so the interval doubled from probe_every (16) to 32.
+    assert int(new.interval) == 32 and int(new.next_probe) == 32
 
 
 def test_deferred_observation_equals_step_by_step(setup):
