@@ -10,12 +10,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# One cache per pytest-xdist worker (`-n 2`): JAX writes cache entries in place, so a worker
-# could read another's half-written file.
-_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache" / os.environ.get(
-    "PYTEST_XDIST_WORKER", "main")
+# One cache shared by the pytest-xdist workers (`-n 2`) and the subprocesses tests launch (they
+# inherit the environment): a program one worker compiled is a cache read for the other. JAX
+# writes cache entries in place; a size limit turns on its file lock around every read and
+# write, so no process reads another's half-written entry. The limit itself (4 GiB) is far
+# above the suite's ~100 MiB.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache" / "shared"
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
