@@ -52,7 +52,7 @@ def test_mtp_loss_and_gradient_match_a_torch_reference(chunk):
     def loss(params):
         return mtp_loss(head, params, policy.embed, jnp.asarray(features), jnp.asarray(tokens),
                         jnp.asarray(positions), jnp.asarray(response), target, chunk=chunk)
-    (got, metrics), grads = jax.value_and_grad(loss, has_aux=True)(head.params)
+    (got, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(head.params)
 
     # torch: CE of token t+2 from (h_t, embedding of t+1), where t+2 is a response token
     w = ref._torch_layout(head)
@@ -87,20 +87,22 @@ def test_unrolled_steps_are_what_the_drafter_computes():
     head = ref._random_head(policy, seed=4)
     tokens, positions, _, features = _batch(policy)
     steps = 3
-    unrolled = mtp_hidden(head, head.params, policy.embed, jnp.asarray(features),
-                          jnp.asarray(tokens), jnp.asarray(positions), steps)
+    unrolled = jax.jit(lambda f, t, p: mtp_hidden(head, head.params, policy.embed, f, t, p, steps))(
+        jnp.asarray(features), jnp.asarray(tokens), jnp.asarray(positions))
+    # each call compiled on its own (jit only spares eager op-by-op dispatch; same ops)
+    forward = jax.jit(lambda tok, h, pos, cache, fuse: head.forward(policy.embed(tok), h, pos, cache,
+                                                                   fuse=fuse),
+                      static_argnames="fuse")
     for row, t in ((0, 0), (0, 4), (1, 3), (2, 2)):
         prefix = slice(0, t + 1)
         cache = head.init_cache(1, 16)
-        emb = policy.embed(tokens[row:row + 1, 1:t + 2])
-        out, cache = head.forward(emb, features[row:row + 1, prefix],
-                                  positions[row:row + 1, prefix], cache, fuse=True)
+        out, cache = forward(tokens[row:row + 1, 1:t + 2], features[row:row + 1, prefix],
+                             positions[row:row + 1, prefix], cache, fuse=True)
         hidden = out[:, -1:]
         np.testing.assert_allclose(hidden[0, 0], unrolled[0][row, t], atol=1e-5)
         for s in range(1, steps):
-            emb = policy.embed(tokens[row:row + 1, t + 1 + s:t + 2 + s])
-            hidden, cache = head.forward(emb, hidden, jnp.array([[t + s]], jnp.int32), cache,
-                                         fuse=False)
+            hidden, cache = forward(tokens[row:row + 1, t + 1 + s:t + 2 + s], hidden,
+                                    jnp.array([[t + s]], jnp.int32), cache, fuse=False)
             np.testing.assert_allclose(hidden[0, 0], unrolled[s][row, t], atol=1e-5)
 
 
@@ -120,7 +122,7 @@ def test_no_gradient_reaches_the_policy():
         return mtp_loss(head, head_params, p.embed, captured[last], jnp.asarray(tokens),
                         jnp.asarray(positions), jnp.asarray(response),
                         TargetHead(hidden, weight, vocab_axis=axis), steps=2)[0]
-    to_policy, to_head = jax.grad(loss, argnums=(0, 1))(policy.params, head.params)
+    to_policy, to_head = jax.jit(jax.grad(loss, argnums=(0, 1)))(policy.params, head.params)
     assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(to_policy))
     assert sum(float(jnp.abs(x).sum()) for x in jax.tree.leaves(to_head)) > 1e-3
 
