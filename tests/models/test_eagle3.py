@@ -1,5 +1,6 @@
 """EAGLE-3 head: checkpoint layout vs an independent PyTorch layer, TTT vs inference drafting."""
 
+import functools
 import json
 
 import jax
@@ -192,17 +193,24 @@ def test_training_time_test_matches_inference_drafting(policy):
     b, t, steps = 2, 10, 3
     tokens = jax.random.randint(jax.random.key(6), (b, t), 0, 128)
     feats = jax.random.normal(jax.random.key(7), (b, t, 3 * policy.config.hidden_size))
-    got = ttt_logits(head, head.params, policy.embed, feats, tokens, jnp.ones((b, t), bool), steps)
+    got = jax.jit(lambda f, tok: ttt_logits(head, head.params, policy.embed, f, tok, jnp.ones((b, t), bool),
+                                            steps))(feats, tokens)
+    # the inference path jitted per call (same ops; eager op-by-op dispatch was most of the time)
+    @functools.partial(jax.jit, static_argnames="fuse")
+    def forward(tok, h, pos, cache, fuse):  # -> hidden [b, n, H], last logits [b, V], cache
+        out, cache = head.forward(policy.embed(tok), h, pos, cache, fuse=fuse)
+        return out, head.logits(out[:, -1:])[:, 0], cache
+
     for pos in (0, 3, 6):
         cache = head.init_cache(b, t + steps)
         positions = jnp.broadcast_to(jnp.arange(pos + 1, dtype=jnp.int32), (b, pos + 1))
-        out, cache = head.forward(policy.embed(tokens[:, 1 : pos + 2]), feats[:, : pos + 1], positions, cache, fuse=True)
+        out, logits, cache = forward(tokens[:, 1 : pos + 2], feats[:, : pos + 1], positions, cache, fuse=True)
         hidden = out[:, -1:]
-        np.testing.assert_allclose(head.logits(hidden)[:, 0], got[0, :, pos], atol=2e-5)
+        np.testing.assert_allclose(logits, got[0, :, pos], atol=2e-5)
         for s in range(1, steps):
-            emb = policy.embed(tokens[:, pos + 1 + s][:, None])
-            hidden, cache = head.forward(emb, hidden, jnp.full((b, 1), pos + s, jnp.int32), cache, fuse=False)
-            np.testing.assert_allclose(head.logits(hidden)[:, 0], got[s, :, pos], atol=2e-5)
+            hidden, logits, cache = forward(tokens[:, pos + 1 + s][:, None], hidden, jnp.full((b, 1), pos + s, jnp.int32),
+                                            cache, fuse=False)
+            np.testing.assert_allclose(logits, got[s, :, pos], atol=2e-5)
 
 
 def test_draft_loss_is_soft_cross_entropy_on_the_draft_vocab(policy):
@@ -215,8 +223,10 @@ def test_draft_loss_is_soft_cross_entropy_on_the_draft_vocab(policy):
     tl = 3 * jax.random.normal(jax.random.key(8), (b, t, 128))
     mask = jnp.arange(t)[None, :] >= jnp.array([[3], [1]])
     cfg = DraftLossConfig(steps=2, decay=0.8)
-    loss, metrics = draft_loss(head, head.params, policy.embed, feats, tokens, tl, mask, cfg)
-    logits = np.asarray(ttt_logits(head, head.params, policy.embed, feats, tokens, jnp.ones((b, t), bool), 2))
+    loss, metrics, logits = jax.jit(lambda f, tok, tl, m: (
+        *draft_loss(head, head.params, policy.embed, f, tok, tl, m, cfg),
+        ttt_logits(head, head.params, policy.embed, f, tok, jnp.ones((b, t), bool), 2)))(feats, tokens, tl, mask)
+    logits = np.asarray(logits)
     ids, tl, mask = np.arange(64) * 2, np.asarray(tl, np.float64), np.asarray(mask)
     total = 0.0
     for s in range(2):
