@@ -52,6 +52,8 @@ def _parse(argv=None):
     p.add_argument("--steps", type=int, default=32, help="decode: forwards per timed call")
     p.add_argument("--depths", default="2,3,4,5,6", help="tree: draft depths")
     p.add_argument("--refeed", action="store_true", help="tree: also time the re-feed proposal")
+    p.add_argument("--layer-loop", choices=("auto", "scan", "unroll"), default="auto",
+                   help="model.layer_loop (auto may pick differently at the two capacities)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -64,7 +66,7 @@ def _policy(args, max_len: int):
     config = ModelConfig.tiny(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
         num_layers=args.layers, num_heads=max(4, args.hidden // 64), head_dim=min(64, args.hidden // 4),
-        max_position_embeddings=max_len,
+        max_position_embeddings=max_len, layer_loop=args.layer_loop,
     )
     return random_policy(config, seed=args.seed)
 

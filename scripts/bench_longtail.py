@@ -62,6 +62,7 @@ def _parse(argv=None):
     p.add_argument("--skip-static-all", action="store_true", help="leave out static_all (slow at large R)")
     p.add_argument("--adaptive", action="store_true", help="plain vs fixed k vs adaptive k on refill_S")
     p.add_argument("--drafter", choices=("oracle", "eagle3"), default="oracle")
+    p.add_argument("--cost-iterations", type=int, default=32, help="--adaptive: iterations per k timed by measure_costs")
     p.add_argument("--json", default="bench_longtail.json")
     return p.parse_args(argv)
 
@@ -168,7 +169,7 @@ def _adaptive(args, policy, prompts, rows, common, drafter, completions) -> int:
     """Plain vs every fixed k vs adaptive k, all on refill_S, timed interleaved."""
     s = args.slots
     kw = dict(rows=rows, slots=s, **common)
-    adaptive = measure_costs(policy, drafter, prompts, verbose=True, **kw)
+    adaptive = measure_costs(policy, drafter, prompts, iterations=args.cost_iterations, verbose=True, **kw)
     runs = {"plain": lambda: generate(policy, prompts, **kw)}
     runs.update({f"k={k}": (lambda d=drafter.with_k(k): generate(policy, prompts, drafter=d, **kw))
                  for k in range(1, drafter.k + 1)})

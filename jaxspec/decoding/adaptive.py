@@ -14,8 +14,10 @@ live rows multiplies every candidate's tokens alike and drops out of the choice;
 size enters through c_k, measured at that batch.
 
 A depth that is not drafted is not measured (while k = 0 wins, nothing is): probe
-iterations (the first one, then every `probe_every`) draft one step deeper than the best k,
-so every estimate keeps being refreshed and a stale low one cannot lock a short k in. A
+iterations (the first one, then every `probe_every`) draft at the deepest k, so every
+depth's estimate keeps being refreshed and a stale low one cannot lock a short k in
+(probing only one k deeper than the best did: an unlucky early depth-3 estimate kept k = 1
+for a whole call). A
 probe that leaves the best k unchanged doubles the interval to the next one (up to
 16 x probe_every), one that changes it resets the interval: bad drafts cost few probes. A drafter whose `observe` runs a
 network (EAGLE-3, MTP, a draft model) does not observe during k = 0 iterations either: the
@@ -166,10 +168,10 @@ def _best(state: AdaptState, policy: AdaptiveK) -> jax.Array:
 
 def choose_k(state: AdaptState, policy: AdaptiveK, iteration) -> jax.Array:
     """[] int32 index into `policy.ks` for loop iteration `iteration` (0-based): the best
-    expected tokens per cost, one k deeper at a probe iteration."""
+    expected tokens per cost, the deepest k at a probe iteration."""
     best = _best(state, policy)
     probe = iteration >= state.next_probe
-    return jnp.where(probe, jnp.minimum(best + 1, len(policy.ks) - 1), best).astype(jnp.int32)
+    return jnp.where(probe, len(policy.ks) - 1, best).astype(jnp.int32)
 
 
 def measure_costs(
