@@ -23,13 +23,22 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# Compile time dominates the suite (the generation loop alone takes 10-25 s to compile on
+# 2 cores), so test programs skip XLA's expensive optimisation passes, except in the modules
+# that assert bitwise equalities of the production numerics, and those that compare with
+# subprocesses (which compile with the defaults), which compile as users do.
+_FULL_OPTIMISATION = ("test_batch_invariant", "test_reuse_logprobs", "test_faults", "test_multiprocess")
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _release_executables():
-    """Drop every compiled executable after each test module. Each XLA CPU executable keeps
+def _release_executables(request):
+    """Cheap compiles (above) for the module; then drop every compiled executable after it. Each XLA CPU executable keeps
     tens to hundreds of memory mappings; one pytest process that keeps all of the suite's
     (~600 tests) passed Linux's default vm.max_map_count (65,530) and crashed inside XLA
     (SIGSEGV writing the compilation cache, SIGABRT compiling). The persistent cache makes
     a later module's recompile of a shared function a cache read."""
+    full = any(name in request.module.__name__ for name in _FULL_OPTIMISATION)
+    jax.config.update("jax_disable_most_optimizations", not full)
     yield
     jax.clear_caches()
     gc.collect()
