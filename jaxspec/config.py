@@ -497,6 +497,10 @@ class DraftSpec(_Section):
     # choose k in 0..k (0 = plain) per loop iteration from costs measured at start-up and the
     # live acceptance (chain kinds eagle3 / mtp / draft_model / ngram)
     adaptive_k: bool = False
+    # replay: chain drafts (eagle3 / mtp / draft_model, the hybrid's head) drawn from the
+    # draft distribution with the verifier's noise at their position, so a calibrated draft is
+    # accepted far more often at temperature > 0; false: the draft's argmax
+    coupled: bool = True
     tree: Optional[TreeSpec] = None  # noqa: F821 (lazy) null: chain drafting
     draft_vocab_size: Optional[int] = _field(None, **_ge(1))  # null: the policy's vocabulary
     hf_path: Optional[str] = None  # pretrained head (eagle3/mtp) or draft model directory

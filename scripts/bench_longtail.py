@@ -98,8 +98,10 @@ def main(argv=None) -> int:
 
     if args.adaptive:
         if args.drafter == "eagle3":
+            # argmax drafts: a random head on a random (near-uniform) policy is a poor drafter
+            # only then; coupled draws from its near-uniform q would often match
             drafter = Eagle3Drafter(Eagle3Head.init_for(policy, args.vocab, jax.random.key(args.seed + 2)),
-                                    k=len(acceptance))
+                                    k=len(acceptance), coupled=False)
         else:
             drafter = oracle_all
         return _adaptive(args, policy, (tokens, lengths), rows, common, drafter, completions)

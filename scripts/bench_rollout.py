@@ -46,7 +46,8 @@ from jaxspec.rl.tasks import CharTokenizer, make_task
 from jaxspec.timing import interleaved, median_ratio
 
 HELDOUT = 1_000_000  # task positions from here on are never used for training
-DRAFTERS = ("eagle3", "eagle3_untrained", "eagle3_tree", "ngram", "draft_model", "mtp_untrained")
+DRAFTERS = ("eagle3", "eagle3_argmax", "eagle3_untrained", "eagle3_tree", "ngram", "draft_model",
+            "draft_model_argmax", "mtp_untrained")
 
 
 def _parse(argv=None):
@@ -57,7 +58,9 @@ def _parse(argv=None):
     p.add_argument("--eagle3", help="local EAGLE-3 head directory (vLLM/SGLang layout)")
     p.add_argument("--draft-model", help="local HF directory of a small draft model (same tokenizer)")
     p.add_argument("--drafters", default="eagle3,ngram", help="comma list of " + ", ".join(DRAFTERS)
-                   + " (eagle3_untrained: a fresh head over the same draft vocabulary, the control)")
+                   + " (eagle3_untrained: a fresh head over the same draft vocabulary, the control; "
+                   "eagle3_argmax, draft_model_argmax: argmax drafts instead of draws coupled with "
+                   "the verifier's noise)")
     p.add_argument("--oracle", help="oracle drafter instead of --drafters: an acceptance rate for "
                    "every depth, or a comma list of per-depth rates")
     p.add_argument("--ks", default="1,3,5", help="draft lengths to sweep")
@@ -143,6 +146,8 @@ def _verify_cost(policy, batch: int, context: int, ks, rounds: int, reps: int = 
 def _drafter(name, k, args, policy, head, small):
     if name == "eagle3":
         return Eagle3Drafter(head, k=k)
+    if name == "eagle3_argmax":  # the head's argmax instead of the coupled draw (replay)
+        return Eagle3Drafter(head, k=k, coupled=False)
     if name == "eagle3_untrained":
         fresh = Eagle3Head.init_for(policy, head.config.draft_vocab_size, jax.random.key(7),
                                     capture_layers=head.capture_layers)
@@ -152,8 +157,8 @@ def _drafter(name, k, args, policy, head, small):
         return Eagle3Drafter(head, tree=TreeSpec(top_k=top_k, depth=depth, budget=budget))
     if name == "ngram":
         return NGramDrafter(k=k, min_n=1, max_n=3)
-    if name == "draft_model":
-        return DraftModelDrafter(small, k=k)
+    if name in ("draft_model", "draft_model_argmax"):
+        return DraftModelDrafter(small, k=k, coupled=name == "draft_model")
     return MTPDrafter(MTPHead.init_for(policy, jax.random.key(1)), k=k)
 
 
@@ -180,9 +185,9 @@ def main(argv=None) -> int:
         unknown = sorted(set(names) - set(DRAFTERS))
         if unknown:
             raise SystemExit(f"--drafters {unknown} unknown; valid: {list(DRAFTERS)}")
-        if ({"eagle3", "eagle3_tree", "eagle3_untrained"} & set(names)) and not args.eagle3:
+        if ({"eagle3", "eagle3_argmax", "eagle3_tree", "eagle3_untrained"} & set(names)) and not args.eagle3:
             raise SystemExit("--drafters eagle3/eagle3_tree/eagle3_untrained need --eagle3 DIR")
-        if "draft_model" in names and not args.draft_model:
+        if {"draft_model", "draft_model_argmax"} & set(names) and not args.draft_model:
             raise SystemExit("--drafters draft_model needs --draft-model DIR")
 
     policy = _policy(args)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decoding.protocols import DraftContext, DraftHead, Observation
-from jaxspec.decoding.sampling import process_logits
+from jaxspec.decoding.sampling import process_logits, processed_logits
 from jaxspec.decoding.tree import Tree
 from jaxspec.kernels import WithAncestors
 from jaxspec.models import KVCache, Policy
@@ -27,13 +27,26 @@ def _target_ids(ids, index):  # candidate indices -> target token ids (ids None:
     return (index if ids is None else ids[index]).astype(jnp.int32)
 
 
-def _choose(logits, ctx: DraftContext, offset: int, ids=None, vocab=None):
-    """Argmax draft, or a sample from the processed draft distribution q (returned over the
-    target vocabulary) with the row's key for position `lengths + offset`. logits [batch, C]
-    over candidates whose target ids are `ids` [C] (None: the candidates are the target
-    vocabulary)."""
+def _choose(logits, ctx: DraftContext, offset: int, ids=None, vocab=None, coupled=True):
+    """One draft token per row for absolute position `lengths + offset`, from draft logits
+    [batch, C] over candidates whose target ids are `ids` [C] (None: the candidates are the
+    target vocabulary of size `vocab`, or C).
+
+    - rejection (`ctx.sampled`): a sample from the processed draft distribution q with the
+      row's draft key, and q over the target vocabulary;
+    - replay with `coupled`: the Gumbel-max draw from q with the verifier's noise at that
+      position (`DraftContext.verifier_noise`), so the draft equals the policy's token
+      whenever q and p pick the same token under the same noise (q = p: always);
+    - otherwise the argmax of q.
+    """
     if not ctx.sampled:
-        return _target_ids(ids, jnp.argmax(logits, axis=-1)), None
+        if not coupled or ctx.verifier_noise is None:
+            return _target_ids(ids, jnp.argmax(logits, axis=-1)), None
+        z = processed_logits(logits, ctx.sampling)
+        noise = ctx.verifier_noise[:, offset]  # [batch, V]
+        if ids is not None:
+            noise = jnp.take(noise, ids, axis=-1)
+        return _target_ids(ids, jnp.argmax(z + noise, axis=-1)), None
     logq = process_logits(logits, ctx.sampling)
     keys = ctx.draft_keys(offset)  # [batch]
     drawn = jax.vmap(lambda k, lq: jax.random.categorical(k, lq))(keys, logq)
@@ -150,6 +163,9 @@ class DraftModelDrafter:
 
     model: Policy  # a small policy sharing the verifier's tokenizer
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
+    # replay: draw each draft with the verifier's noise at its position (`_choose`); False:
+    # the draft model's argmax
+    coupled: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     def __post_init__(self):
         _check_k(self.k)
@@ -187,7 +203,7 @@ class DraftModelDrafter:
         tokens, probs = [], []
         for i in range(self.k):
             logits, _, cache = self.model.forward(token[:, None], (pos + i)[:, None], cache)
-            token, q = _choose(logits[:, 0], ctx, i)
+            token, q = _choose(logits[:, 0], ctx, i, coupled=self.coupled)
             tokens.append(token)
             probs.append(q)
         cache = dataclasses.replace(cache, lengths=start_lengths)  # drafts are not committed
@@ -239,11 +255,15 @@ class HeadState:
 @dataclasses.dataclass(frozen=True)
 class _HeadDrafter:
     """Drafting with a head conditioned on the policy's hidden states (EAGLE-3, MTP): a chain
-    of k argmax (or sampled) drafts, or a dynamic tree (`TreeSpec`)."""
+    of k drafts (under replay drawn with the verifier's noise, `coupled`; else argmax, or
+    sampled for rejection), or a dynamic tree (`TreeSpec`) of each node's top-k."""
 
     head: DraftHead
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
     tree: TreeSpec | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # replay chains: draw each draft from q with the verifier's noise at its position, so it
+    # equals the policy's token whenever q and p agree there (`_choose`); False: argmax of q
+    coupled: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     def __post_init__(self):
         _check_k(self.k)
@@ -330,7 +350,7 @@ class _HeadDrafter:
                 )
                 hidden = out[:, 0].astype(jnp.float32)
             logits, ids = self.head.draft_logits(hidden, policy)  # [batch, C], [C] | None
-            token, q = _choose(logits, ctx, i, ids, policy.config.vocab_size)
+            token, q = _choose(logits, ctx, i, ids, policy.config.vocab_size, coupled=self.coupled)
             tokens.append(token)
             probs.append(q)
         cache = dataclasses.replace(cache, lengths=start_lengths)

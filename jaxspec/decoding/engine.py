@@ -34,7 +34,7 @@ from jaxspec.decoding.arguments import pad_prompts
 from jaxspec.decoding.drafters import NoDrafter
 from jaxspec.decoding.protocols import DraftContext, Drafter, Observation
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.verify import verify
+from jaxspec.decoding.verify import replay_noise, verify
 from jaxspec.models import KVCache, Policy, compact
 
 
@@ -398,7 +398,7 @@ def _generate_jit(
         adapt=None if adaptive is None else AdaptState.zeros(adaptive),
         pending=pending,
     )
-    draft_key = jax.random.split(key)[1]  # drafts never share the verifier's noise
+    draft_key = jax.random.split(key)[1]  # sampled drafts (rejection) never share the verifier's noise
     gen_offsets = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
 
     def harvest(s: _LoopState, mask):  # mask [slots] bool: copy these slots' rollouts out
@@ -442,6 +442,9 @@ def _generate_jit(
         budget_end = prompt_lengths[s.prompt_of] + max_new_tokens  # [slots] exclusive end
         root_pos = s.lengths - 1
         root = jnp.take_along_axis(s.buffer, root_pos[:, None], axis=1)  # [batch, 1]
+        # replay: the verifier's noise, drawn once for the drafter (coupled drafts) and verify
+        noise = (replay_noise(key, s.lengths, d.max_depth, policy.config.vocab_size, slot_rows)
+                 if method == "replay" else None)
         ctx = DraftContext(
             buffer=s.buffer,
             lengths=s.lengths,
@@ -450,6 +453,7 @@ def _generate_jit(
             sampled=method == "rejection",
             rows=slot_rows,
             sequences=s.prompt_of,
+            verifier_noise=noise,
         )
         draft_state, pending, flushed = s.draft_state, s.pending, 0
         st_iter = s.stats.target_forwards
@@ -465,7 +469,7 @@ def _generate_jit(
         # Plain decoding is verification of an empty tree: one code path for both.
         verdict = verify(
             key, logits, tree, sampling, method=method, positions=s.lengths,
-            draft_probs=draft_probs, rows=slot_rows,
+            draft_probs=draft_probs, rows=slot_rows, noise=noise,
         )
         num_accepted, emitted, emitted_logp, path = (
             verdict.num_accepted, verdict.tokens, verdict.logprobs, verdict.path,

@@ -53,6 +53,7 @@ def verify(
     positions,  # [B] int32: absolute position of the token emitted from the root
     draft_probs=None,  # [B, N, V] float: distribution node i was drawn from (rejection only)
     rows=None,  # [B] int32 rollout ids for the noise; default arange(B)
+    noise=None,  # [B, D+1, V] replay only: replay_noise(key, positions, D, V, rows), if the caller has it
 ) -> Verdict:
     """Verify a batch of draft trees; pure and jit-able (method is static)."""
     batch, num_nodes = tree.tokens.shape
@@ -72,6 +73,11 @@ def verify(
                 f"verify: draft_probs must be [B, N, V] = [{batch}, {num_nodes}, {vocab}], "
                 f"got {tuple(draft_probs.shape)}"
             )
+    if noise is not None and (method != "replay" or tuple(noise.shape) != (batch, tree.max_depth + 1, vocab)):
+        raise ValueError(
+            f"verify: noise is used by method='replay' only, as [B, D+1, V] = "
+            f"[{batch}, {tree.max_depth + 1}, {vocab}]; got {tuple(noise.shape)} with method {method!r}"
+        )
     positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch,))
     rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
 
@@ -82,11 +88,23 @@ def verify(
     if method == "greedy":
         choices = jnp.argmax(target_logits.astype(jnp.float32), axis=-1)
     else:  # replay: the plain sampler's draw at each node's slot (nodes of one depth share it)
-        depth_range = jnp.arange(tree.max_depth + 1, dtype=jnp.int32)
-        noise = gumbel_noise(key, rows, positions[:, None] + depth_range, vocab)  # [B, D+1, V]
+        if noise is None:
+            noise = replay_noise(key, positions, tree.max_depth, vocab, rows)
         fed_depths = jnp.clip(jnp.pad(tree.depths, ((0, 0), (1, 0))), 0, tree.max_depth)
         choices = jnp.argmax(z + jnp.take_along_axis(noise, fed_depths[..., None], axis=1), axis=-1)
     return _walk(tree, choices.astype(jnp.int32), logp)
+
+
+def replay_noise(
+    key,
+    positions,  # [B] int32: absolute position of the token emitted from the root
+    max_depth: int,
+    vocab: int,
+    rows,  # [B] int32 rollout ids
+):  # -> [B, max_depth + 1, V] float32
+    """The replay verifier's Gumbel noise for the tokens at positions + 0..max_depth."""
+    depth_range = jnp.arange(max_depth + 1, dtype=jnp.int32)
+    return gumbel_noise(key, rows, positions[:, None] + depth_range, vocab)
 
 
 def _walk(

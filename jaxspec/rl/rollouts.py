@@ -131,14 +131,14 @@ def make_drafter(draft_cfg, tree, head=None, draft_model=None, *, history=None, 
             **d.history.drafter_settings(d.k))
         if d.kind == "history":
             return drafter
-        return history_lib.HybridDrafter(drafter, drafters_lib.Eagle3Drafter(head, k=d.k),
+        return history_lib.HybridDrafter(drafter, drafters_lib.Eagle3Drafter(head, k=d.k, coupled=d.coupled),
                                          budget=d.history.budget)
     if d.kind == "eagle3":
-        return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree)
+        return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree, coupled=d.coupled)
     if d.kind == "mtp":
-        return drafters_lib.MTPDrafter(head, k=d.k, tree=tree)
+        return drafters_lib.MTPDrafter(head, k=d.k, tree=tree, coupled=d.coupled)
     if d.kind == "draft_model":
-        return drafters_lib.DraftModelDrafter(draft_model, k=d.k)
+        return drafters_lib.DraftModelDrafter(draft_model, k=d.k, coupled=d.coupled)
     if d.kind == "ngram":
         return drafters_lib.NGramDrafter(k=d.k, min_n=d.ngram.min_n, max_n=d.ngram.max_n)
     return drafters_lib.NoDrafter()

@@ -41,7 +41,7 @@ def setup():
     head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
     vocab = policy.config.vocab_size
     drafters = {
-        "eagle3": Eagle3Drafter(head, k=3),
+        "eagle3": Eagle3Drafter(head, k=3, coupled=False),  # argmax: random drafts, mostly rejected
         "ngram": NGramDrafter(k=3, min_n=1, max_n=2),
         "oracle": oracle_drafter(tokens, lengths, plain.tokens, [0.9, 0.7, 0.5], vocab_size=vocab),
         "oracle_perfect": oracle_drafter(tokens, lengths, plain.tokens, [1.0, 1.0, 1.0], vocab_size=vocab),

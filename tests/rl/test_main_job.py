@@ -118,8 +118,8 @@ def test_train_draft_builds_no_grpo_trainer_and_its_head_speculates(tmp_path, mo
     prompts = encode_prompts(tok, [ex.prompt for ex in examples], cfg.rollout.max_prompt_len)
     fresh = Eagle3Head.init_for(policy, head.config.draft_vocab_size, jax.random.key(5))
 
-    def rollouts(h):
-        return generate(policy, prompts, drafter=Eagle3Drafter(h, k=cfg.draft.k),
+    def rollouts(h):  # argmax drafts: what the head learnt, not how near-uniform its q is
+        return generate(policy, prompts, drafter=Eagle3Drafter(h, k=cfg.draft.k, coupled=False),
                         sampling=SamplingConfig(), max_new_tokens=cfg.rollout.max_new_tokens,
                         key=jax.random.key(11), stop_tokens=(tok.eos_id,))
 

@@ -210,7 +210,10 @@ def test_acceptance_collapse_raises_the_alarm(base, tmp_path):
     policy, head = base
     dropped = dataclasses.replace(head, params=jax.tree.map(jnp.zeros_like, head.params))
     lines = []
-    cfg = make_config(tmp_path, "run.steps=3", "draft.online=false", "draft.collapse_patience=2")
+    # argmax drafts: a zeroed head's are all token 0, never accepted (coupled draws from its
+    # uniform q would match the policy's token 1 / V of the time, ~1.05 at this vocabulary)
+    cfg = make_config(tmp_path, "run.steps=3", "draft.online=false", "draft.collapse_patience=2",
+                      "draft.coupled=false")
     trainer = GRPOTrainer(cfg, policy=policy, head=dropped, log=lines.append)
     alarms, lengths = [], []
     for _ in range(3):
