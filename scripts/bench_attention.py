@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.host import keep_freed_memory
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.engine import generate
 from jaxspec.models import ModelConfig
@@ -193,6 +194,7 @@ def bench_tree(args) -> None:
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
     {"rollout": bench_rollout, "decode": bench_decode, "tree": bench_tree}[args.mode](args)
     return 0

@@ -26,6 +26,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from jaxspec.host import keep_freed_memory
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.engine import generate
 from jaxspec.models import Policy
@@ -81,6 +82,7 @@ def _read_loop(policy, steps: int):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
     from jaxspec.config import load_config
     from jaxspec.rl.trainer import prepare_run
 

@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from jaxspec.host import keep_freed_memory
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.drafters import Eagle3Drafter, NGramDrafter
 from jaxspec.decoding.engine import generate, pad_prompts
@@ -65,6 +66,7 @@ def _parse(argv=None):
 
 def main(argv=None):
     args = _parse(argv)
+    keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
     policy = load_hf(args.policy)
     head = load_eagle3(args.eagle3, target_num_layers=policy.config.num_layers)
     task = make_task(args.task, seed=args.seed, **json.loads(args.task_params))

@@ -37,6 +37,7 @@ import statistics
 import jax
 import numpy as np
 
+from jaxspec.host import keep_freed_memory
 from jaxspec.timing import interleaved
 from jaxspec.decoding import SamplingConfig, measure_costs
 from jaxspec.decoding.drafters import Eagle3Drafter
@@ -69,6 +70,7 @@ def _parse(argv=None):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
     r, s = args.rollouts, args.slots
     if r % s:
         raise SystemExit(f"--rollouts {r} must be a multiple of --slots {s} (static batches of S)")

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.host import keep_freed_memory
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
 from jaxspec.decoding.engine import generate, pad_prompts
@@ -164,6 +165,7 @@ def _drafter(name, k, args, policy, head, small):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
     ks = [int(k) for k in args.ks.split(",") if k]
     if any(k < 1 for k in ks):
         raise SystemExit(f"--ks must be >= 1; got {ks}")

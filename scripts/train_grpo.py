@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
     from jaxspec import parallel
+    from jaxspec.host import keep_freed_memory
+
+    keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
 
     try:  # an srun launch or JAXSPEC_* variables join one run (docs/scaling.md), before
         parallel.initialize_distributed()  # anything below touches a device; else nothing
