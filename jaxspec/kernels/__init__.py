@@ -152,13 +152,17 @@ def tree_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool | None = None,
+    thread: bool = False,
 ):
     """Attention of N tree nodes over a ragged cached prefix plus the tree (ancestor mask).
 
     Output [batch, num_nodes, q_heads, head_dim] in q's dtype; scores and softmax
     in float32; a node that may attend to nothing gets zeros. Tuning knobs (static;
     None = the backend's default) never change the math; ``reference`` uses only
-    ``block_k``; ``interpret`` (pallas only) defaults to True off-GPU.
+    ``block_k``; ``interpret`` (pallas only) defaults to True off-GPU. ``thread=True``
+    returns ``(out, k_cache, v_cache)``: the caches unchanged in value, for the caller to go
+    on with (the reference backend passes a stacked cache through its block loop so that a
+    layer loop's uses of it form one chain and XLA never copies it; see kernels.blocked).
     """
     _check_inputs(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
     platform = _platform()
@@ -167,8 +171,9 @@ def tree_attention(
         # Ancestor keys (tree drafting with a head) are the blocked path's alone, on any platform.
         return tree_attention_blocked(
             q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=scale,
-            block_k=block_k,
+            block_k=block_k, thread=thread,
         )
+    given = (k_cache, v_cache)
     # Kernels take one layer's array, in the new keys' dtype (a no-op when the cache has it).
     k_cache = layer_array(k_cache).astype(k_new.dtype)
     v_cache = layer_array(v_cache).astype(v_new.dtype)
@@ -195,7 +200,8 @@ def tree_attention(
         )
     knobs = tuple(sorted((k, v) for k, v in knobs.items() if v is not None))
     call = _KernelCall(name, None if scale is None else float(scale), knobs)
-    return _kernel_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, call)
+    out = _kernel_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, call)
+    return (out, *given) if thread else out
 
 
 __all__ = [

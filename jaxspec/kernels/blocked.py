@@ -110,8 +110,11 @@ def _blocked_forward(q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_
     blk = min(block_k, s)
     num_blocks = (jnp.max(lengths) + blk - 1) // blk
 
-    def body(i, state):
+    def body(i, carry):
         # The last block is shifted back to fit the cache; slots already seen are masked.
+        state, k_stack, v_stack = carry
+        # Not a plain pass-through, or XLA forwards the loop's input to later users again.
+        k_stack, v_stack = jax.lax.optimization_barrier((k_stack, v_stack))
         first = i * blk
         start = jnp.minimum(first, s - blk)
         at, size = (layer, 0, start, 0, 0), (1, b, blk, hkv, d)
@@ -120,20 +123,24 @@ def _blocked_forward(q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_
         slot = start + jnp.arange(blk)
         live = (slot[None, :] >= first) & (slot[None, :] < lengths[:, None])  # [b, blk]
         allowed = jnp.broadcast_to(live[:, None, :], (b, n, blk))
-        return _update(state, qf, keys, values, allowed, scale)
+        return _update(state, qf, keys, values, allowed, scale), k_stack, v_stack
 
     state = (
         jnp.full((b, hkv, g, n), -jnp.inf, jnp.float32),
         jnp.zeros((b, hkv, g, n), jnp.float32),
         jnp.zeros((b, hkv, g, n, d), jnp.float32),
     )
-    state = jax.lax.fori_loop(0, num_blocks, body, state)
+    # The stacks ride in the carry and come back out unchanged: a caller that goes on with the
+    # returned ones (the next layer, the cache write) gives XLA one chain of uses of one
+    # buffer. Read as closure constants by every layer's loop, the stack was copied whole
+    # per layer per step once the write updated it in place (docs/BENCHMARKS.md).
+    state, k_stack, v_stack = jax.lax.fori_loop(0, num_blocks, body, (state, k_stack, v_stack))
     k_extra, v_extra, extra_mask = extra
     if k_extra.shape[1]:
         state = _update(state, qf, k_extra, v_extra, extra_mask, scale)
     _, l, acc = _update(state, qf, k_new, v_new, tree_mask.astype(bool), scale)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows that saw nothing: zeros
-    return jnp.moveaxis(out, 3, 1).reshape(b, n, hq, d).astype(q.dtype)
+    return jnp.moveaxis(out, 3, 1).reshape(b, n, hq, d).astype(q.dtype), k_stack, v_stack
 
 
 def _oracle(q, k_cache, v_cache, cache_lengths, extra, k_new, v_new, tree_mask, scale):
@@ -170,14 +177,15 @@ def _blocked(q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_new, tre
 
 def _blocked_fwd(q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_new, tree_mask, scale,
                  block_k):
-    out = _blocked_forward(
+    outs = _blocked_forward(
         q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_new, tree_mask, scale, block_k
     )
-    return out, (q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_new, tree_mask)
+    return outs, (q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_new, tree_mask)
 
 
-def _blocked_bwd(scale, block_k, residuals, g):
+def _blocked_bwd(scale, block_k, residuals, gs):
     q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_new, tree_mask = residuals
+    g, g_k, g_v = gs  # the stacks pass through: their cotangents flow straight back
 
     def oracle(q, k_stack, v_stack, k_extra, v_extra, k_new, v_new):
         k_cache, v_cache = CacheLayer(k_stack, layer).read(), CacheLayer(v_stack, layer).read()
@@ -186,7 +194,7 @@ def _blocked_bwd(scale, block_k, residuals, g):
 
     _, vjp = jax.vjp(oracle, q, k_stack, v_stack, extra[0], extra[1], k_new, v_new)
     dq, dk, dv, dke, dve, dkn, dvn = vjp(g)
-    return dq, dk, dv, None, None, (dke, dve, None), dkn, dvn, None
+    return dq, dk + g_k, dv + g_v, None, None, (dke, dve, None), dkn, dvn, None
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
@@ -203,19 +211,30 @@ def tree_attention_blocked(
     *,
     scale: float | None = None,
     block_k: int | None = None,
-):  # -> [batch, num_nodes, q_heads, head_dim] in q's dtype
+    thread: bool = False,
+):  # -> [batch, num_nodes, q_heads, head_dim] in q's dtype; thread: (that, k_cache, v_cache)
     """`tree_attention_reference`'s function, reading only the cache blocks some row needs
-    (k_cache/v_cache may be `WithAncestors`: earlier tree nodes seen through their mask)."""
+    (k_cache/v_cache may be `WithAncestors`: earlier tree nodes seen through their mask).
+
+    thread=True also returns the caches, unchanged in value but passed through the block
+    loop, for the caller to use from then on (see `_blocked_forward`)."""
     block_k = BLOCK_K if block_k is None else block_k
     if not isinstance(block_k, int) or isinstance(block_k, bool) or block_k < 1:
         raise ValueError(f"block_k={block_k!r} must be a positive int")
+    given = (k_cache, v_cache)
     k_cache, v_cache, *extra = split_ancestors(k_cache, v_cache, q.shape[1])
     extra = tuple(extra)
     if k_cache.shape[1] == 0:  # no cache (training forwards): the oracle, differentiable as is
-        return _oracle(q, layer_array(k_cache), layer_array(v_cache), cache_lengths, extra, k_new,
-                       v_new, tree_mask, scale)
+        out = _oracle(q, layer_array(k_cache), layer_array(v_cache), cache_lengths, extra, k_new,
+                      v_new, tree_mask, scale)
+        return (out, *given) if thread else out
     (k_stack, layer), (v_stack, _) = as_stack(k_cache), as_stack(v_cache)
     scale = None if scale is None else float(scale)
-    return _blocked(
+    out, k_stack, v_stack = _blocked(
         q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_new, tree_mask, scale, block_k
     )
+    if not thread:
+        return out
+    if not isinstance(k_cache, CacheLayer) or isinstance(given[0], WithAncestors):
+        return (out, *given)  # only stacked caches are threaded
+    return out, CacheLayer(k_stack, k_cache.index), CacheLayer(v_stack, v_cache.index)

@@ -50,10 +50,10 @@ class ModelConfig:
     # attention_backend and costs speed.
     batch_invariant: bool = False
     # How decoding runs the layers: one scan over the stacked weights, or unrolled over
-    # per-layer copies (on CPU a scan copies each layer's weights per step, the unrolled
-    # loop the KV cache); "auto": on CPU unrolled where the layer weights outweigh the
-    # cache (never with batch_invariant, whose generation must match the scanned training
-    # forward bit for bit), scan elsewhere. Training always scans.
+    # per-layer copies made once per generate call (on CPU a scan copies each layer's
+    # weights per step); "auto": unrolled on CPU (never with batch_invariant, whose
+    # generation must match the scanned training forward bit for bit), scan elsewhere.
+    # Training always scans.
     layer_loop: str = "auto"
 
     def __post_init__(self):

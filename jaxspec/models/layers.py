@@ -184,7 +184,8 @@ class Attention(nnx.Module):
         cache_lengths,  # [B] int32, <= S
         mask,  # [B, T, T] bool: new token i may attend to new token j
         positions=None,  # [B, T] int32 (needed by the batch-invariant mode)
-    ):  # -> [B, T, heads, head_dim]
+        thread: bool = False,
+    ):  # -> [B, T, heads, head_dim]; thread: (that, k_cache, v_cache) (kernels.tree_attention)
         """New tokens over the cached prefix plus the new tokens the mask allows; the cache
         is never cast or copied here (the default backend reads only its live blocks)."""
         if self.config.batch_invariant:
@@ -193,12 +194,13 @@ class Attention(nnx.Module):
             if isinstance(k_cache, WithAncestors):
                 raise ValueError("the batch-invariant attention takes no ancestor keys "
                                  "(WithAncestors); feed the tree's nodes as new tokens")
-            return invariant_attention(
+            out = invariant_attention(
                 q, layer_array(k_cache), layer_array(v_cache), cache_lengths, k, v, mask, positions
             )
+            return (out, k_cache, v_cache) if thread else out
         return tree_attention(
             q, k_cache, v_cache, cache_lengths, k, v, mask,
-            backend=self.config.attention_backend,
+            backend=self.config.attention_backend, thread=thread,
         )
 
 
@@ -247,13 +249,19 @@ class DecoderLayer(nnx.Module):
         cache_lengths,  # [B]
         mask,  # [B, T, T] bool
         embeds=None,  # [B, T, H] token embeddings (embed_input layers only)
+        thread: bool = False,
     ):
-        """Returns (x_out [B, T, H], k_new [B, T, kv_heads, head_dim], v_new)."""
+        """Returns (x_out [B, T, H], k_new [B, T, kv_heads, head_dim], v_new); thread=True
+        appends (k_cache, v_cache) as the attention passed them on (kernels.tree_attention)."""
         if (embeds is None) != (self.hidden_norm is None):
             raise ValueError("embeds is required by (and only by) a layer built with embed_input=True")
         q, k, v = self.self_attn.project(self.attention_input(x, embeds), positions)
         if self.self_attn.config.batch_invariant:  # float32 activations: keys as the cache stores them
             dtype = self.self_attn.config.param_dtype
             k, v = round_to(k, dtype), round_to(v, dtype)
+        if thread:
+            heads, k_cache, v_cache = self.self_attn.attend(q, k, v, k_cache, v_cache, cache_lengths,
+                                                            mask, positions, thread=True)
+            return self.finish(x, heads), k, v, k_cache, v_cache
         heads = self.self_attn.attend(q, k, v, k_cache, v_cache, cache_lengths, mask, positions)
         return self.finish(x, heads), k, v

@@ -9,8 +9,9 @@ layer's weight slice before its matmuls, which halves the read bandwidth of a me
 decode step (docs/BENCHMARKS.md, "Layer weights"). `Policy.unstack_layers()` (called once
 per `generate`, outside its loop) gives the forward per-layer arrays to read in place; the
 parameters themselves stay stacked, so checkpoints, sharding and training are unchanged.
-The unrolled loop copies the KV cache per step instead, so `model.layer_loop: auto`
-unrolls only where the weights outweigh the cache (`Policy.decodes_unrolled`).
+The unrolled layers pass the stacked KV cache from one layer's attention to the next
+(`kernels.tree_attention(thread=True)`), so XLA keeps it in one buffer (`model.layer_loop:
+auto` unrolls on CPU: `Policy.decodes_unrolled`).
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ class Transformer(nnx.Module):
         head: bool = True,
         layer_params: tuple | None = None,  # per-layer params (Policy.unstack_layers): unrolled
     ):
-        """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new);
-        head=False returns the final-normed hidden states [B,T,H] in place of the logits."""
+        """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new,
+        k_cache, v_cache); head=False returns the final-normed hidden states [B,T,H] in place
+        of the logits. The caches come back unchanged in value; write into these (the unrolled
+        layers pass them on through each attention, so XLA keeps one buffer)."""
         x = self.embed(tokens)
         if self.config.batch_invariant:  # float32 activations (see jaxspec.kernels.invariant)
             x = x.astype(jnp.float32)
@@ -111,10 +114,26 @@ class Transformer(nnx.Module):
                 captured = jnp.where(hit, x[None], captured)
             return (x, captured), (k_new, v_new)
 
-        if unstacked is not None:  # the same body, unrolled over per-layer arrays
+        if unstacked is not None:  # the same layer, unrolled over per-layer arrays
+            @functools.partial(jax.checkpoint, prevent_cse=False)
+            def unrolled(carry, params, index, k_stack, v_stack):
+                x, captured = carry
+                layer = nnx.merge(layer_def, params)
+                # Each layer's attention hands the stacks on (thread=True) and the next layer
+                # and the cache write use what it returned: one chain of uses, no whole-cache
+                # copy per layer per step (kernels.blocked).
+                x, k_new, v_new, k_layer, v_layer = layer(
+                    x, positions, CacheLayer(k_stack, index), CacheLayer(v_stack, index),
+                    cache_lengths, mask, thread=True)
+                if capture:
+                    hit = (capture_ids == index)[:, None, None, None]
+                    captured = jnp.where(hit, x[None], captured)
+                return (x, captured), (k_new, v_new), (k_layer.stack, v_layer.stack)
+
             k_out, v_out = [], []
             for index, params in enumerate(unstacked):
-                (x, captured), (k_layer, v_layer) = body((x, captured), (params, jnp.int32(index)))
+                (x, captured), (k_layer, v_layer), (k_cache, v_cache) = unrolled(
+                    (x, captured), params, jnp.int32(index), k_cache, v_cache)
                 k_out.append(k_layer)
                 v_out.append(v_layer)
             k_new, v_new = jnp.stack(k_out), jnp.stack(v_out)
@@ -124,7 +143,7 @@ class Transformer(nnx.Module):
                 body, (x, captured), (layer_params, indices)
             )
         x = self.norm(x)
-        return (self.logits(x) if head else x), captured, k_new, v_new
+        return (self.logits(x) if head else x), captured, k_new, v_new, k_cache, v_cache
 
 
 # --------------------------------------------------------------------------- policy
@@ -143,13 +162,14 @@ def _forward(policy, tokens, positions, cache, mask, capture, head=True):
         k_cache, v_cache, lengths = cache.k, cache.v, cache.lengths
     s = k_cache.shape[2]
     valid, mask = new_token_mask(positions, mask)
-    logits, captured, k_new, v_new = model(
+    logits, captured, k_new, v_new, k_cache, v_cache = model(
         tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture, head,
         layer_params=policy.layer_params,
     )
     captured = {layer: captured[i] for i, layer in enumerate(capture)}
     if cache is None:
         return logits, captured, None
+    cache = dataclasses.replace(cache, k=k_cache, v=v_cache)
     return logits, captured, cache.write(k_new, v_new, valid).advance(valid)
 
 
@@ -252,23 +272,18 @@ class Policy:
 
     def decodes_unrolled(self, cache_max_len: int, batch: int) -> bool:
         """Whether decoding with a cache of `cache_max_len` slots per row unrolls the layers:
-        `model.layer_loop`, where "auto" picks the loop that copies less per step on CPU.
+        `model.layer_loop`, where "auto" unrolls on CPU.
 
-        Neither is free there: the scan copies each layer's weight slice, and the unrolled
-        loop copies the KV cache (each layer's blocked-attention loop takes the stacked
-        cache as an operand). "auto" unrolls when the layer weights outweigh the cache;
-        never with batch_invariant (its generation must equal the scanned training
-        forward bit for bit) and never off CPU."""
+        On CPU the scan copies each layer's weight slice at every step; the unrolled loop
+        reads per-layer copies made once per call and hands the KV cache from layer to layer
+        without copying it (docs/BENCHMARKS.md, "Layer weights"). Never with batch_invariant
+        (its generation must equal the scanned training forward bit for bit) and never off
+        CPU. (`cache_max_len` and `batch` no longer decide; kept for callers.)"""
+        del cache_max_len, batch
         loop = self.config.layer_loop
         if loop != "auto":
             return loop == "unroll"
-        if jax.default_backend() != "cpu" or self.config.batch_invariant:
-            return False
-        cfg = self.config
-        itemsize = jnp.dtype(cfg.param_dtype).itemsize
-        weights = sum(x.size for x in jax.tree.leaves(self.params["layers"])) * itemsize
-        cache = 2 * cfg.num_layers * batch * cache_max_len * cfg.num_kv_heads * cfg.head_dim * itemsize
-        return weights >= cache
+        return jax.default_backend() == "cpu" and not self.config.batch_invariant
 
     @property
     def module(self) -> Transformer:
