@@ -9,6 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+import cheap_compiles  # noqa: E402
 
 # One cache shared by the pytest-xdist workers (`-n 2`) and the subprocesses tests launch (they
 # inherit the environment): a program one worker compiled is a cache read for the other. JAX
@@ -23,11 +24,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Compile time dominates the suite (the generation loop alone takes 10-25 s to compile on
-# 2 cores), so test programs skip XLA's expensive optimisation passes, except in the modules
-# that assert bitwise equalities of the production numerics, and those that compare with
-# subprocesses (which compile with the defaults), which compile as users do.
-_FULL_OPTIMISATION = ("test_batch_invariant", "test_reuse_logprobs", "test_faults", "test_multiprocess")
+# Compile time dominates the suite (the generation loop alone took 10-25 s to compile on
+# 2 cores with the defaults), so test programs compile cheaply (cheap_compiles), except in
+# the modules that assert bitwise equalities of the production numerics, which compile as
+# users do. Subprocesses that tests compare against get the same options
+# (cheap_compiles.subprocess_env).
+_FULL_OPTIMISATION = ("test_batch_invariant", "test_reuse_logprobs")
+cheap_compiles.install()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,7 +41,7 @@ def _release_executables(request):
     (SIGSEGV writing the compilation cache, SIGABRT compiling). The persistent cache makes
     a later module's recompile of a shared function a cache read."""
     full = any(name in request.module.__name__ for name in _FULL_OPTIMISATION)
-    jax.config.update("jax_disable_most_optimizations", not full)
+    cheap_compiles.use(not full)
     yield
     jax.clear_caches()
     gc.collect()
