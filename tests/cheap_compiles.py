@@ -4,11 +4,13 @@ processes come from the same executables.
 
 Cheap: without XLA's expensive optimisation passes (jax_disable_most_optimizations), and
 with XLA:CPU's older elemental emitters for fused loops instead of the MLIR fusion emitters
-(XLA_OPTIONS): the generation loop's backend compile drops from ~8 s to ~1.6 s on 2 cores.
+(XLA_OPTIONS). Measured on 2 cores, the backend compile of one generation loop (EAGLE-3
+tree, tiny policy) takes ~8 s with the defaults, ~4 s without the optimisation passes and
+~1.6 s with both.
 """
 
 import jax
-from jax._src import compiler  # private: its get_compile_options is wrapped by install()
+from jax._src import compiler
 
 XLA_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 _cheap = [False]
@@ -21,8 +23,10 @@ def use(cheap: bool) -> None:
 
 
 def install() -> None:
-    """Make every compile in this process take XLA_OPTIONS while `use(True)` holds. They are
-    part of the persistent cache key: a cheap executable is never served to a full compile."""
+    """Make every compile in this process take XLA_OPTIONS while `use(True)` holds (through
+    jax's private compiler.get_compile_options, the hook that `jit(compiler_options=)` feeds).
+    They are part of the persistent cache key: a cheap executable is never served to a full
+    compile."""
     get_compile_options = compiler.get_compile_options
 
     def with_options(*args, env_options_overrides=None, **kwargs):

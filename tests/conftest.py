@@ -7,9 +7,9 @@ import pathlib
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAXSPEC_TEST_PLATFORMS", "cpu"))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import cheap_compiles  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
-import cheap_compiles  # noqa: E402
 
 # One cache shared by the pytest-xdist workers (`-n 2`) and the subprocesses tests launch (they
 # inherit the environment): a program one worker compiled is a cache read for the other. JAX
@@ -36,8 +36,9 @@ cheap_compiles.install()
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables(request):
-    """Cheap compiles (above) unless the module is listed; then drop every compiled executable after it. Each XLA CPU executable keeps
-    tens to hundreds of memory mappings; one pytest process that keeps all of the suite's
+    """Cheap compiles (above) unless the module is listed; then drop every compiled
+    executable after the module. Each XLA CPU executable keeps tens to hundreds of memory
+    mappings; one pytest process that keeps all of the suite's
     (~600 tests) passed Linux's default vm.max_map_count (65,530) and crashed inside XLA
     (SIGSEGV writing the compilation cache, SIGABRT compiling). The persistent cache makes
     a later module's recompile of a shared function a cache read."""
