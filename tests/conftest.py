@@ -7,6 +7,7 @@ import pathlib
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAXSPEC_TEST_PLATFORMS", "cpu"))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import cheap_compiles  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -23,22 +24,26 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Compile time dominates the suite (the generation loop alone takes 10-25 s to compile on
-# 2 cores), so test programs skip XLA's expensive optimisation passes, except in the modules
-# that assert bitwise equalities of the production numerics, and those that compare with
-# subprocesses (which compile with the defaults), which compile as users do.
-_FULL_OPTIMISATION = ("test_batch_invariant", "test_reuse_logprobs", "test_faults", "test_multiprocess")
+# Compile time dominates the suite (the generation loop alone took 10-25 s to compile on
+# 2 cores with the defaults), so test programs compile cheaply (cheap_compiles). Modules
+# that compile as users do: those asserting bitwise equalities of the production numerics,
+# and test_joint_law, whose 2^20-rollout chi-square runs outweigh its compiles (31 s of CPU
+# with full optimisation, 42 s cheap). Subprocesses that tests compare against compile as
+# the test does (cheap_compiles.subprocess_env).
+_FULL_OPTIMISATION = ("test_batch_invariant", "test_reuse_logprobs", "test_joint_law")
+cheap_compiles.install()
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables(request):
-    """Cheap compiles (above) for the module; then drop every compiled executable after it. Each XLA CPU executable keeps
-    tens to hundreds of memory mappings; one pytest process that keeps all of the suite's
+    """Cheap compiles (above) unless the module is listed; then drop every compiled
+    executable after the module. Each XLA CPU executable keeps tens to hundreds of memory
+    mappings; one pytest process that keeps all of the suite's
     (~600 tests) passed Linux's default vm.max_map_count (65,530) and crashed inside XLA
     (SIGSEGV writing the compilation cache, SIGABRT compiling). The persistent cache makes
     a later module's recompile of a shared function a cache read."""
     full = any(name in request.module.__name__ for name in _FULL_OPTIMISATION)
-    jax.config.update("jax_disable_most_optimizations", not full)
+    cheap_compiles.use(not full)
     yield
     jax.clear_caches()
     gc.collect()

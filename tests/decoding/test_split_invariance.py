@@ -28,6 +28,9 @@ MAX_NEW = 8
 KEY = jax.random.key(21)
 # One call over all rows vs two calls over an uneven, shuffled split of the same rows.
 SPLIT = ([4, 0, 2], [5, 1, 3])
+# The parts' prompts are right-padded to a width the one call (7) does not have, the same
+# for both parts: one compiled program serves both.
+PART_WIDTH = 9
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +48,20 @@ def drafters(policy):
     }
 
 
+def _padded(prompts, width):
+    """(tokens [B, width] right-padded with 0, lengths [B])."""
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in zip(tokens, prompts):
+        row[: len(prompt)] = prompt
+    return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
 def _split_vs_one(policy, drafter, method, temperature):
     cfg = SamplingConfig(temperature=temperature)
     kw = dict(drafter=drafter, method=method, sampling=cfg, max_new_tokens=MAX_NEW, key=KEY)
     one = generate(policy, PROMPTS, **kw)
-    parts = [generate(policy, [PROMPTS[i] for i in ids], rows=np.asarray(ids), **kw) for ids in SPLIT]
+    parts = [generate(policy, _padded([PROMPTS[i] for i in ids], PART_WIDTH), rows=np.asarray(ids), **kw)
+             for ids in SPLIT]
     tokens = np.zeros_like(np.asarray(one.tokens))
     logprobs = np.zeros_like(np.asarray(one.logprobs))
     for ids, part in zip(SPLIT, parts):

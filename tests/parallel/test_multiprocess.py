@@ -14,6 +14,7 @@ import jax
 import multiprocess_worker as worker
 import numpy as np
 import pytest
+from cheap_compiles import subprocess_env
 
 from jaxspec import parallel
 from jaxspec.checkpoint import CheckpointManager
@@ -38,7 +39,7 @@ def child_env() -> dict:
     if cache_dir:
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return env
+    return subprocess_env(env)  # compiling as this process does
 
 
 def launch(workdir: pathlib.Path, num_processes: int = 2) -> list[subprocess.Popen]:

@@ -20,7 +20,6 @@ Two config choices the comparison needs:
   at most lr / eps = 300 times that change, so rounding noise (~1e-9) stays far below 1e-5.
 """
 
-import contextlib
 import pathlib
 import sys
 
@@ -42,18 +41,6 @@ EXTRA = [f"run.steps={STEPS}", "run.compare_plain=0", "async.enabled=false",
 TIMING = ("generation_time_s", "generation_plain_time_s", "generation_speedup")
 
 
-@contextlib.contextmanager
-def cheap_compiles():
-    """XLA without its expensive optimisation passes: about 40% less compile time for the
-    programs each run compiles. The sharded and one-device runs both compile this way (the
-    equality also holds with full optimisation); the flag goes back to the default (off)."""
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", False)
-
-
 def devices_of(tree):
     return set().union(*(x.sharding.device_set for x in jax.tree.leaves(tree)))
 
@@ -70,11 +57,10 @@ def train(run_dir, mesh, devices):
     cfg = make_config(run_dir, *EXTRA, f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                       f"mesh.tensor={tensor}")
     metrics, batches = [], []
-    with cheap_compiles():
-        trainer = GRPOTrainer(cfg, policy=policy, head=head, devices=devices)
-        for _ in range(STEPS):
-            metrics.append(trainer.step())
-            batches.append(trainer.last_batch)
+    trainer = GRPOTrainer(cfg, policy=policy, head=head, devices=devices)
+    for _ in range(STEPS):
+        metrics.append(trainer.step())
+        batches.append(trainer.last_batch)
     return trainer, metrics, batches, host(trainer.policy.params), host(trainer.head.params)
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cheap_compiles import subprocess_env
 from script_loader import load_script
 from test_resume import assert_same_tree, rows
 from test_trainer import SHORT, warmed_base
@@ -170,7 +171,8 @@ def _subprocess_env():
                JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return env  # JAX_PLATFORMS and XLA_FLAGS (8 CPU devices) as in this process
+    # JAX_PLATFORMS and XLA_FLAGS (8 CPU devices) as in this process, and its compile options
+    return subprocess_env(env)
 
 
 SIGNAL_RUN = ["run.steps=5", "run.save_every=0"]  # save_every 0: only the last step saves

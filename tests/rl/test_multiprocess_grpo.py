@@ -26,6 +26,7 @@ import jax
 import multiprocess_grpo_worker as worker
 import numpy as np
 import pytest
+from cheap_compiles import subprocess_env
 
 from jaxspec.checkpoint import CheckpointManager
 from jaxspec.models import load_hf
@@ -50,7 +51,7 @@ def child_env(devices: int) -> dict:
     if cache_dir:
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return env
+    return subprocess_env(env)  # compiling as this process does
 
 
 def launch(workdir: pathlib.Path, num_processes: int, mode: str) -> list[subprocess.Popen]:
