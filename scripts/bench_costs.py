@@ -41,9 +41,13 @@ def _parse(argv=None):
 
 
 def _shape(text: str) -> tuple[int, int]:
-    layers, hidden = (int(v) for v in text.lower().split("x"))
+    try:
+        layers, hidden = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        layers = hidden = 0
     if layers < 1 or hidden < 64 or hidden % 64:
-        raise SystemExit(f"--shapes {text!r}: need LAYERSxHIDDEN with hidden a multiple of 64")
+        raise SystemExit(f"error: --shapes entry {text!r} is invalid: it must be LAYERSxHIDDEN, "
+                         f"layers >= 1 and hidden a multiple of 64 (e.g. 4x256)")
     return layers, hidden
 
 
@@ -95,7 +99,9 @@ def main(argv=None) -> int:
     args = _parse(argv)
     keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
     shapes = [_shape(s) for s in args.shapes.split(",") if s]
-    batches = [int(b) for b in args.batches.split(",") if b]
+    batches = [int(b) for b in args.batches.split(",") if b.strip().isdigit() and int(b) > 0]
+    if not batches or len(batches) != len([b for b in args.batches.split(",") if b]):
+        raise SystemExit(f"error: --batches {args.batches!r} is invalid: a comma list of ints >= 1")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; vocab {args.vocab}, context {args.context}")
     k = args.k
     print(f"| policy | params | batch | c(1) | c({k + 1})/c(1) | c_head/c(1) | "

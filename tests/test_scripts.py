@@ -27,3 +27,13 @@ def test_bench_rollout_rejects_unknown_drafters(tmp_path):
         main(["--policy", str(tmp_path), "--drafters", "eagle3"])
     with pytest.raises(SystemExit, match=r"--ks must be >= 1"):
         main(["--policy", str(tmp_path), "--ks", "0,3"])
+
+
+def test_bench_costs_rejects_bad_shapes_and_batches():
+    main = _main("bench_costs.py")
+    with pytest.raises(SystemExit, match=r"--shapes entry '4x100' is invalid"):
+        main(["--shapes", "4x100"])
+    with pytest.raises(SystemExit, match=r"--shapes entry 'big' is invalid"):
+        main(["--shapes", "big"])
+    with pytest.raises(SystemExit, match=r"--batches '4,0' is invalid"):
+        main(["--shapes", "2x64", "--batches", "4,0"])
