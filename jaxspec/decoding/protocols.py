@@ -30,7 +30,8 @@ class DraftContext:
     # [B] int32 the prompt (index into `generate`'s prompts) each row holds: with slots
     # (continuous batching) a row's prompt changes when it is refilled; None: arange(B)
     sequences: jax.Array | None = None
-    # [B, D+1, V] float32 under the replay method (None otherwise): the verifier's Gumbel noise
+    # [B, D+1, V] float32 under the replay method for a drafter whose `coupled` is True (None
+    # otherwise; a custom drafter opts in with a `coupled = True` attribute): the verifier's Gumbel noise
     # for the tokens at absolute positions lengths + 0..D (D: the drafter's max_depth). A
     # drafter that picks one token per position may draw it with this noise
     # (`jaxspec.decoding.drafters._choose`): the policy's token then equals the draft whenever
