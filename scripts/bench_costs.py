@@ -99,9 +99,10 @@ def main(argv=None) -> int:
     args = _parse(argv)
     keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
     shapes = [_shape(s) for s in args.shapes.split(",") if s]
-    batches = [int(b) for b in args.batches.split(",") if b.strip().isdigit() and int(b) > 0]
-    if not batches or len(batches) != len([b for b in args.batches.split(",") if b]):
+    entries = [b.strip() for b in args.batches.split(",") if b.strip()]
+    if not entries or not all(b.isdigit() and int(b) > 0 for b in entries):
         raise SystemExit(f"error: --batches {args.batches!r} is invalid: a comma list of ints >= 1")
+    batches = [int(b) for b in entries]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; vocab {args.vocab}, context {args.context}")
     k = args.k
     print(f"| policy | params | batch | c(1) | c({k + 1})/c(1) | c_head/c(1) | "

@@ -172,6 +172,7 @@ class DraftModelDrafter:
 
     num_nodes = property(lambda self: self.k)
     max_depth = property(lambda self: self.k)
+    uses_verifier_noise = property(lambda self: self.coupled)  # DraftContext.verifier_noise
     capture_layers = ()
     supports_rejection = True
     forwards_per_propose = property(lambda self: self.k)
@@ -286,6 +287,10 @@ class _HeadDrafter:
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return self.head.capture_layers
+
+    @property
+    def uses_verifier_noise(self) -> bool:  # coupled chains draw with DraftContext.verifier_noise
+        return self.coupled and self.tree is None
 
     @property
     def supports_rejection(self) -> bool:

@@ -442,10 +442,11 @@ def _generate_jit(
         budget_end = prompt_lengths[s.prompt_of] + max_new_tokens  # [slots] exclusive end
         root_pos = s.lengths - 1
         root = jnp.take_along_axis(s.buffer, root_pos[:, None], axis=1)  # [batch, 1]
-        # replay with a coupled drafter: the verifier's noise, drawn once for the drafter and
-        # verify (otherwise verify draws it after the forward: no [B, D+1, V] held across it)
+        # replay with a drafter that draws with it (coupled chains): the verifier's noise, drawn
+        # once for the drafter and verify (otherwise verify draws it after the forward, so no
+        # [B, D+1, V] array is held across the forward)
         noise = (replay_noise(key, s.lengths, d.max_depth, policy.config.vocab_size, slot_rows)
-                 if method == "replay" and getattr(d, "coupled", False) else None)
+                 if method == "replay" and getattr(d, "uses_verifier_noise", False) else None)
         ctx = DraftContext(
             buffer=s.buffer,
             lengths=s.lengths,

@@ -432,7 +432,7 @@ class HybridDrafter:
     num_nodes = property(lambda self: self.budget)
     max_depth = property(lambda self: max(self.history.k, self.head.k))
     capture_layers = property(lambda self: self.head.capture_layers)
-    coupled = property(lambda self: self.head.coupled)  # the head's chain takes the replay noise
+    uses_verifier_noise = property(lambda self: self.head.uses_verifier_noise)  # the head's chain
     supports_rejection = False
     supports_refill = False  # its history part reads sibling rows by batch position
     forwards_per_propose = property(lambda self: self.head.forwards_per_propose)

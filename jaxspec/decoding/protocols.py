@@ -30,9 +30,9 @@ class DraftContext:
     # [B] int32 the prompt (index into `generate`'s prompts) each row holds: with slots
     # (continuous batching) a row's prompt changes when it is refilled; None: arange(B)
     sequences: jax.Array | None = None
-    # [B, D+1, V] float32 under the replay method for a drafter whose `coupled` is True (None
-    # otherwise; a custom drafter opts in with a `coupled = True` attribute): the verifier's Gumbel noise
-    # for the tokens at absolute positions lengths + 0..D (D: the drafter's max_depth). A
+    # [B, D+1, V] float32 under the replay method for a drafter with `uses_verifier_noise =
+    # True` (an optional attribute; None otherwise): the verifier's Gumbel noise for the
+    # tokens at absolute positions lengths + 0..D (D: the drafter's max_depth). A
     # drafter that picks one token per position may draw it with this noise
     # (`jaxspec.decoding.drafters._choose`): the policy's token then equals the draft whenever
     # the two distributions' Gumbel-max draws agree, which a calibrated draft makes far likelier
@@ -53,7 +53,6 @@ class DraftContext:
             rows = jnp.arange(self.lengths.shape[0], dtype=jnp.int32)
         keys = slot_keys(self.key, rows, self.lengths + offset)
         return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, tag)
-
 
 
 @jax.tree_util.register_dataclass

@@ -101,43 +101,36 @@ class Transformer(nnx.Module):
         # Each layer is rematerialised in the backward (a no-op without differentiation): a
         # training step stores one [B, T, H] input per layer, not every layer's internals.
         @functools.partial(jax.checkpoint, prevent_cse=False)
-        def body(carry, xs):
-            x, captured = carry
-            params, index = xs
+        def run_layer(x, captured, params, index, k_stack, v_stack):
+            """-> (x, captured, k_new, v_new, k_stack, v_stack): the stacks as the layer's
+            attention passed them on (thread=True; see kernels.blocked)."""
             layer = nnx.merge(layer_def, params)
             # The stacked cache and the layer index, unsliced: the attention reads only the
             # blocks it needs (a sliced layer would be copied whole every step).
-            k_layer, v_layer = CacheLayer(k_cache, index), CacheLayer(v_cache, index)
-            x, k_new, v_new = layer(x, positions, k_layer, v_layer, cache_lengths, mask)
+            x, k_new, v_new, k_layer, v_layer = layer(
+                x, positions, CacheLayer(k_stack, index), CacheLayer(v_stack, index),
+                cache_lengths, mask, thread=True)
             if capture:
                 hit = (capture_ids == index)[:, None, None, None]
                 captured = jnp.where(hit, x[None], captured)
-            return (x, captured), (k_new, v_new)
+            return x, captured, k_new, v_new, k_layer.stack, v_layer.stack
 
-        if unstacked is not None:  # the same layer, unrolled over per-layer arrays
-            @functools.partial(jax.checkpoint, prevent_cse=False)
-            def unrolled(carry, params, index, k_stack, v_stack):
-                x, captured = carry
-                layer = nnx.merge(layer_def, params)
-                # Each layer's attention hands the stacks on (thread=True) and the next layer
-                # and the cache write use what it returned: one chain of uses, no whole-cache
-                # copy per layer per step (kernels.blocked).
-                x, k_new, v_new, k_layer, v_layer = layer(
-                    x, positions, CacheLayer(k_stack, index), CacheLayer(v_stack, index),
-                    cache_lengths, mask, thread=True)
-                if capture:
-                    hit = (capture_ids == index)[:, None, None, None]
-                    captured = jnp.where(hit, x[None], captured)
-                return (x, captured), (k_new, v_new), (k_layer.stack, v_layer.stack)
-
+        if unstacked is not None:  # unrolled over per-layer arrays
+            # Each layer and then the cache write go on with the stacks the previous attention
+            # returned: one chain of uses of one buffer, so XLA copies no whole cache per layer
+            # per step.
             k_out, v_out = [], []
             for index, params in enumerate(unstacked):
-                (x, captured), (k_layer, v_layer), (k_cache, v_cache) = unrolled(
-                    (x, captured), params, jnp.int32(index), k_cache, v_cache)
+                x, captured, k_layer, v_layer, k_cache, v_cache = run_layer(
+                    x, captured, params, jnp.int32(index), k_cache, v_cache)
                 k_out.append(k_layer)
                 v_out.append(v_layer)
             k_new, v_new = jnp.stack(k_out), jnp.stack(v_out)
-        else:
+        else:  # one scan; every layer reads the stacks it closes over
+            def body(carry, xs):
+                x, captured, k_new, v_new, _, _ = run_layer(*carry, *xs, k_cache, v_cache)
+                return (x, captured), (k_new, v_new)
+
             indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
             (x, captured), (k_new, v_new) = jax.lax.scan(
                 body, (x, captured), (layer_params, indices)

@@ -131,8 +131,8 @@ def make_drafter(draft_cfg, tree, head=None, draft_model=None, *, history=None, 
             **d.history.drafter_settings(d.k))
         if d.kind == "history":
             return drafter
-        return history_lib.HybridDrafter(drafter, drafters_lib.Eagle3Drafter(head, k=d.k, coupled=d.coupled),
-                                         budget=d.history.budget)
+        chain = drafters_lib.Eagle3Drafter(head, k=d.k, coupled=d.coupled)
+        return history_lib.HybridDrafter(drafter, chain, budget=d.history.budget)
     if d.kind == "eagle3":
         return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree, coupled=d.coupled)
     if d.kind == "mtp":

@@ -120,3 +120,19 @@ def test_self_draft_is_always_accepted_and_equals_plain(policy, sampling):
     # 16 tokens per row with k = 3: 4 full chains, the last one cut by the budget.
     assert np.all(accept[True][:2] == 1.0), accept
     assert np.all(accept[False] < 0.5), accept
+
+
+def test_only_coupled_chains_take_the_verifier_noise(policy):
+    """The engine draws the replay noise before the forward (held across it) only for drafters
+    that draw with it: coupled chains; a tree proposes top-k children and an argmax chain
+    ignores it, so verify draws it itself."""
+    from jaxspec.decoding import TreeSpec
+    from jaxspec.decoding.drafters import Eagle3Drafter, NGramDrafter
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    head = Eagle3Head.init_for(policy, 32, jax.random.key(1))
+    assert Eagle3Drafter(head, k=3).uses_verifier_noise
+    assert not Eagle3Drafter(head, k=3, coupled=False).uses_verifier_noise
+    assert not Eagle3Drafter(head, tree=TreeSpec(top_k=2, depth=2, budget=3)).uses_verifier_noise
+    assert DraftModelDrafter(policy, k=2).uses_verifier_noise
+    assert not getattr(NGramDrafter(k=2), "uses_verifier_noise", False)
