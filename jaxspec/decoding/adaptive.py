@@ -17,13 +17,18 @@ A depth that is not drafted is not measured (while k = 0 wins, nothing is): prob
 iterations (the first one, then every `probe_every`) draft at the deepest k, so every
 depth's estimate keeps being refreshed and a stale low one cannot lock a short k in
 (probing only one k deeper than the best did: an unlucky early depth-3 estimate kept k = 1
-for a whole call). A
+for a whole call). Only when no drafted k could win even with every depth past the first
+always accepted (E_k <= 1 + k alpha_1) does a probe draft the shallowest k: it still
+measures alpha_1, at the cost of one draft. A
 probe that leaves the best k unchanged doubles the interval to the next one (up to
-16 x probe_every), one that changes it resets the interval: bad drafts cost few probes. A drafter whose `observe` runs a
+16 x probe_every; a probe at the shallowest k, of a drafter no k could make pay,
+quadruples it, up to 64 x probe_every), one that changes it resets the interval: bad
+drafts cost few probes. A drafter whose `observe` runs a
 network (EAGLE-3, MTP, a draft model) does not observe during k = 0 iterations either: the
 last `window` committed entries are kept and observed in one forward before the next draft
 (entries older than that are never seen by it: drafts after a long plain stretch see less
-context; lossless anyway). So k = 0 costs what plain decoding costs.
+context; lossless anyway), and so is the prompt of a row refilled during k = 0 (its
+drafter row starts empty). So k = 0 costs what plain decoding costs.
 
 Lossless by construction: with replay the tokens do not depend on the drafts at all; with
 rejection sampling the draft length is chosen from past iterations only, and each
@@ -119,9 +124,14 @@ class AdaptState:
         accepted per row (before any stop-token cut), active [B] rows that were live."""
         counted = self._count(policy, k, num_accepted, active)
         probed = iteration >= self.next_probe
-        same = _best(counted, policy) == _best(self, policy)
-        interval = jnp.where(probed, jnp.where(same, jnp.minimum(2 * self.interval, 16 * policy.probe_every),
-                                               policy.probe_every), self.interval).astype(jnp.int32)
+        best = _best(self, policy)
+        same = _best(counted, policy) == best
+        # a probe of a drafter no k could make pay (`_probe_index`): back off faster, and further
+        hopeless = _probe_index(self, policy, best) < len(policy.ks) - 1
+        grown = jnp.where(hopeless, jnp.minimum(4 * self.interval, 64 * policy.probe_every),
+                          jnp.minimum(2 * self.interval, 16 * policy.probe_every))
+        interval = jnp.where(probed, jnp.where(same, grown, policy.probe_every),
+                             self.interval).astype(jnp.int32)
         return dataclasses.replace(counted, interval=interval,
                                    next_probe=jnp.where(probed, iteration + interval, self.next_probe))
 
@@ -166,12 +176,26 @@ def _best(state: AdaptState, policy: AdaptiveK) -> jax.Array:
     return jnp.argmax(rate).astype(jnp.int32)
 
 
+def _probe_index(state: AdaptState, policy: AdaptiveK, best) -> jax.Array:
+    """[] int32 index into `policy.ks` a probe drafts at: the deepest k while any drafted k
+    could beat the best even if every depth past the first were always accepted (E_k <=
+    1 + k alpha_1); otherwise the shallowest drafted k, which still measures alpha_1 (so a
+    hopeless drafter's probes cost one draft, not the deepest chain)."""
+    alpha = conditional_acceptance(state, policy)
+    ks = jnp.asarray(policy.ks, jnp.float32)
+    rate = expected_tokens(alpha, policy.ks) / policy.costs
+    optimistic = (1.0 + ks * alpha[0]) / policy.costs
+    could_win = jnp.any((ks > 0) & (optimistic >= rate[best]))
+    shallowest = next(i for i, k in enumerate(policy.ks) if k > 0)
+    return jnp.where(could_win, len(policy.ks) - 1, shallowest).astype(jnp.int32)
+
+
 def choose_k(state: AdaptState, policy: AdaptiveK, iteration) -> jax.Array:
     """[] int32 index into `policy.ks` for loop iteration `iteration` (0-based): the best
-    expected tokens per cost, the deepest k at a probe iteration."""
+    expected tokens per cost; at a probe iteration, `_probe_index`."""
     best = _best(state, policy)
     probe = iteration >= state.next_probe
-    return jnp.where(probe, len(policy.ks) - 1, best).astype(jnp.int32)
+    return jnp.where(probe, _probe_index(state, policy, best), best).astype(jnp.int32)
 
 
 def measure_costs(

@@ -273,6 +273,8 @@ class _LoopState:
     out_lengths: jax.Array  # [prompts]
     adapt: AdaptState | None = None  # adaptive k: acceptance counts and the probe clock
     pending: Observation | None = None  # adaptive k: entries [slots, window] not yet observed
+    # adaptive k: prompts started during k = 0, [slots, width] prefill entries not yet observed
+    pending_prompt: Observation | None = None
 
 
 def _state_row_axes(drafter: Drafter, policy: Policy, batch: int, max_len: int) -> list:
@@ -295,18 +297,23 @@ def _state_row_axes(drafter: Drafter, policy: Policy, batch: int, max_len: int) 
     return axes
 
 
-def _refill_draft_state(drafter, policy, state, axes, slot, obs: Observation, max_len: int):
+def _refill_draft_state(drafter, policy, state, axes, slot, obs: Observation, max_len: int,
+                        observe: bool = True):
     """The drafter's state with row `slot` started afresh on a new prompt (`obs`: its one-row
-    prefill). A drafter's own `refill_state(state, policy, slot, obs, max_len)` wins; the
-    default replaces the slot's rows of every per-row leaf by those of a fresh one-row state
-    that has observed the prompt, and takes shared leaves (counters) from it."""
+    prefill; observe=False: the row starts empty, its prompt observed later). A drafter's own
+    `refill_state(state, policy, slot, obs, max_len)` wins; the default replaces the slot's
+    rows of every per-row leaf by those of a fresh one-row state that has observed the
+    prompt, and takes shared leaves (counters) from it."""
+    if not observe:  # nothing to observe: every position padding
+        obs = dataclasses.replace(obs, positions=jnp.full_like(obs.positions, -1))
     hook = getattr(drafter, "refill_state", None)
     if hook is not None:
         return hook(state, policy, slot, obs, max_len)
     leaves, treedef = jax.tree.flatten(state)
     fresh = jax.tree.leaves(drafter.init_state(policy, 1, max_len))
     sub = [old if ax is None else new for old, new, ax in zip(leaves, fresh, axes)]
-    sub = jax.tree.leaves(drafter.observe(treedef.unflatten(sub), policy, obs))
+    if observe:
+        sub = jax.tree.leaves(drafter.observe(treedef.unflatten(sub), policy, obs))
     out = [
         new if ax is None else jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), slot, ax)
         for old, new, ax in zip(leaves, sub, axes)
@@ -342,7 +349,8 @@ def _generate_jit(
     variants = {k: (NoDrafter() if k == 0 else drafter.with_k(k)) for k in adaptive.ks} \
         if adaptive is not None else None
     max_depth = adaptive.max_k if adaptive is not None else drafter.max_depth
-    # Adaptive k = 0 skips a network drafter's observation; the entries wait in a window.
+    # Adaptive k = 0 skips a network drafter's observation; the entries wait in a window, and
+    # a prompt started during k = 0 waits whole (observed with the window before the next draft).
     defer = adaptive is not None and drafter.forwards_per_observe > 0
     if policy.decodes_unrolled(max_len, batch):  # per-layer weights, sliced once here, not per step
         policy = policy.unstack_layers()
@@ -370,15 +378,17 @@ def _generate_jit(
         positions=pre_positions,
         captured=captured,
     ))
-    pending = None
+    pending = pending_prompt = None
     if defer:
-        w = adaptive.window
-        pending = Observation(
-            fed_tokens=jnp.zeros((batch, w), jnp.int32),
-            next_tokens=jnp.zeros((batch, w), jnp.int32),
-            positions=jnp.full((batch, w), -1, jnp.int32),
-            captured={layer: jnp.zeros((batch, w) + h.shape[2:], h.dtype) for layer, h in captured.items()},
-        )
+        def empty(n):
+            return Observation(
+                fed_tokens=jnp.zeros((batch, n), jnp.int32),
+                next_tokens=jnp.zeros((batch, n), jnp.int32),
+                positions=jnp.full((batch, n), -1, jnp.int32),
+                captured={layer: jnp.zeros((batch, n) + h.shape[2:], h.dtype) for layer, h in captured.items()},
+            )
+        pending = empty(adaptive.window)
+        pending_prompt = empty(width) if refill else None
     state = _LoopState(
         buffer=buffer,
         logprobs=jnp.zeros((batch, max_len), jnp.float32),
@@ -397,6 +407,7 @@ def _generate_jit(
         out_lengths=parallel.constrain(jnp.zeros((num_prompts,), jnp.int32), ("batch",)),
         adapt=None if adaptive is None else AdaptState.zeros(adaptive),
         pending=pending,
+        pending_prompt=pending_prompt,
     )
     draft_key = jax.random.split(key)[1]  # sampled drafts (rejection) never share the verifier's noise
     gen_offsets = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
@@ -419,21 +430,27 @@ def _generate_jit(
     def cond(s: _LoopState):
         return jnp.any(~s.done) & (s.stats.target_forwards < max_iterations)
 
-    def flush(draft_state, pending):
-        """Observe the deferred entries (if any) in one forward; -> (state, window, forwards).
-        The window is a ring: its entries go in position order, padding last."""
-        has = jnp.any(pending.positions >= 0)
+    def flush(draft_state, pending, pending_prompt):
+        """Observe the deferred entries (if any: prompts started during k = 0, then the
+        window) in one forward; -> (state, window, prompts, forwards). The window is a ring:
+        the entries go in position order, padding last."""
+        both = pending if pending_prompt is None else jax.tree.map(
+            lambda a, b: jnp.concatenate([a, b], axis=1), pending_prompt, pending)
+        has = jnp.any(both.positions >= 0)
 
         def observe(st):
-            order = jnp.argsort(jnp.where(pending.positions >= 0, pending.positions, max_len), axis=1)
+            order = jnp.argsort(jnp.where(both.positions >= 0, both.positions, max_len), axis=1)
             ordered = jax.tree.map(
                 lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
-                pending)
+                both)
             return drafter.observe(st, policy, ordered)
 
+        def cleared(obs):
+            return None if obs is None else dataclasses.replace(obs, positions=jnp.full_like(obs.positions, -1))
+
         draft_state = jax.lax.cond(has, observe, lambda st: st, draft_state)
-        pending = dataclasses.replace(pending, positions=jnp.full_like(pending.positions, -1))
-        return draft_state, pending, has.astype(jnp.int32) * drafter.forwards_per_observe
+        return (draft_state, cleared(pending), cleared(pending_prompt),
+                has.astype(jnp.int32) * drafter.forwards_per_observe)
 
     def step(s: _LoopState, d: Drafter, k: int | None):
         """One iteration with drafter `d` (k: its chain length under adaptive, else None)."""
@@ -457,10 +474,10 @@ def _generate_jit(
             sequences=s.prompt_of,
             verifier_noise=noise,
         )
-        draft_state, pending, flushed = s.draft_state, s.pending, 0
+        draft_state, pending, pending_prompt, flushed = s.draft_state, s.pending, s.pending_prompt, 0
         st_iter = s.stats.target_forwards
         if defer and k:
-            draft_state, pending, flushed = flush(draft_state, pending)
+            draft_state, pending, pending_prompt, flushed = flush(draft_state, pending, pending_prompt)
         tree, draft_probs, draft_state = d.propose(draft_state, policy, ctx)
         num_nodes = d.num_nodes
         fed = jnp.concatenate([root, tree.tokens], axis=1)  # [batch, N+1]
@@ -535,11 +552,11 @@ def _generate_jit(
         )
         out = dataclasses.replace(
             s, buffer=buffer, logprobs=logprobs, lengths=new_lengths, done=done, cache=cache,
-            draft_state=draft_state, stats=stats, pending=pending,
+            draft_state=draft_state, stats=stats, pending=pending, pending_prompt=pending_prompt,
             adapt=None if k is None else s.adapt.update(adaptive, k, num_accepted, active, st_iter),
         )
         if refill:
-            out = _refill(harvest(out, done & ~s.done))
+            out = _refill(harvest(out, done & ~s.done), defer_prompts=defer and k == 0)
         return out
 
     def body(s: _LoopState):
@@ -559,9 +576,11 @@ def _generate_jit(
     row_axes = _state_row_axes(drafter, policy, batch, max_len) if refill else None
     padded_prompts = jnp.full((num_prompts, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
 
-    def _refill(s: _LoopState) -> _LoopState:
+    def _refill(s: _LoopState, defer_prompts: bool = False) -> _LoopState:
         """Start the next waiting prompts in the free slots (in slot order): their buffer
-        rows, then one prefill forward and drafter observation per started slot."""
+        rows, then one prefill forward and drafter observation per started slot
+        (defer_prompts, adaptive k = 0: the drafter's row starts empty and the prompt's
+        entries wait in `pending_prompt` for the next draft, so k = 0 pays no drafter work)."""
         free = s.done
         new_prompt = s.next_prompt + jnp.cumsum(free, dtype=jnp.int32) - 1
         start = free & (new_prompt < num_prompts)
@@ -569,8 +588,13 @@ def _generate_jit(
         prompt_of = jnp.where(start, new_prompt, s.prompt_of)
         order = jnp.argsort(~start, stable=True).astype(jnp.int32)  # started slots first
 
+        pending_prompt = s.pending_prompt
+        if pending_prompt is not None:  # a new rollout's row: the old one's deferred prompt goes
+            pending_prompt = dataclasses.replace(
+                pending_prompt, positions=jnp.where(start[:, None], -1, pending_prompt.positions))
+
         def prefill_one(i, carry):
-            cache, draft_state = carry
+            cache, draft_state, pending_prompt = carry
             slot = order[i]
             p = prompt_of[slot]
             toks = jax.lax.dynamic_slice_in_dim(prompt_tokens, p, 1, axis=0)  # [1, width]
@@ -585,15 +609,21 @@ def _generate_jit(
             )
             obs = Observation(fed_tokens=toks, next_tokens=jnp.roll(toks, -1, axis=1),
                               positions=pos, captured=captured)
-            draft_state = _refill_draft_state(drafter, policy, draft_state, row_axes, slot, obs, max_len)
-            return cache, draft_state
+            draft_state = _refill_draft_state(drafter, policy, draft_state, row_axes, slot, obs, max_len,
+                                              observe=not defer_prompts)
+            if defer_prompts:
+                pending_prompt = jax.tree.map(
+                    lambda w, e: jax.lax.dynamic_update_slice_in_dim(w, e.astype(w.dtype), slot, axis=0),
+                    pending_prompt, obs)
+            return cache, draft_state, pending_prompt
 
-        cache, draft_state = jax.lax.fori_loop(0, n_start, prefill_one, (s.cache, s.draft_state))
+        cache, draft_state, pending_prompt = jax.lax.fori_loop(
+            0, n_start, prefill_one, (s.cache, s.draft_state, pending_prompt))
         st = s.stats
         stats = dataclasses.replace(
             st,
             prefill_forwards=st.prefill_forwards + n_start,
-            draft_forwards=st.draft_forwards + n_start * drafter.forwards_per_observe,
+            draft_forwards=st.draft_forwards + (0 if defer_prompts else n_start * drafter.forwards_per_observe),
         )
         pending = s.pending
         if pending is not None:  # a new rollout's row: the old one's deferred entries go
@@ -602,6 +632,7 @@ def _generate_jit(
         return dataclasses.replace(
             s,
             pending=pending,
+            pending_prompt=pending_prompt,
             buffer=jnp.where(start[:, None], padded_prompts[prompt_of], s.buffer),
             logprobs=jnp.where(start[:, None], 0.0, s.logprobs),
             lengths=jnp.where(start, prompt_lengths[prompt_of], s.lengths),

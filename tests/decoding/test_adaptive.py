@@ -21,6 +21,7 @@ from jaxspec.decoding.drafters import Eagle3Drafter, NGramDrafter
 from jaxspec.decoding.engine import _generate
 from jaxspec.decoding.oracle import oracle_drafter
 from jaxspec.decoding.protocols import Observation
+from jaxspec.decoding.tree import Tree
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
 
@@ -86,9 +87,11 @@ def test_every_forced_k_equals_plain(setup, force):
 
 def test_schedule_follows_acceptance(setup):
     """Perfect drafts at near-equal costs: the deepest k from the first verification on.
-    Wrong drafts: plain decoding, drafting only at the probes (at the deepest k), the
-    first at iteration 0, then at intervals doubling from probe_every (no probe changes
-    the best k) up to 16 x probe_every."""
+    Wrong drafts: plain decoding, drafting only at the probes, the first at iteration 0,
+    then at intervals growing from probe_every (no probe changes the best k). The first probe
+    (alpha_1 = the prior 0.5) drafts the deepest k and doubles the interval; once alpha_1 is
+    measured near 0 no k could win: the probes draft k = 1 and quadruple it (up to 64 x
+    probe_every)."""
     policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
     cheap = AdaptiveK(jnp.array([1.0, 1.05, 1.1, 1.15]), probe_every=4)
     out = generate(policy, prompts, drafter=setup["drafters"]["oracle_perfect"], adaptive=cheap, **common)
@@ -99,13 +102,13 @@ def test_schedule_follows_acceptance(setup):
     _assert_plain(out, setup["plain"])
     k_iters = np.asarray(out.stats.k_iterations)
     n = k_iters.sum()
-    assert k_iters[1:3].sum() == 0
+    assert k_iters[2] == 0
     probes, t, interval = 0, 0, 4
-    while t < n:  # iterations 0, 8, 24, 56, ...
+    while t < n:  # iterations 0, 8, 40, 168, ...: x 2 after the first probe, then x 4
         probes += 1
-        interval = min(2 * interval, 64)
+        interval = min(2 * interval, 64) if probes == 1 else min(4 * interval, 256)
         t += interval
-    assert k_iters[3] == probes, (k_iters, probes)
+    assert k_iters[3] == 1 and k_iters[1] == probes - 1, (k_iters, probes)
 
 
 def _expected_tokens_brute_force(alpha, k):
@@ -149,8 +152,9 @@ def test_choice_against_brute_force():
         np.testing.assert_allclose(np.asarray(expected_tokens(jnp.asarray(alpha), ks)), expected, rtol=1e-5)
         rate = expected / costs
         best = int(np.argmax(rate))
-        if iteration >= next_probe:
-            best = len(ks) - 1  # the probe: the deepest k
+        if iteration >= next_probe:  # the probe: the deepest k, unless no k > 0 could win
+            hopeful = any((1 + k * alpha[0]) / c >= rate[best] for k, c in zip(ks, costs) if k > 0)
+            best = len(ks) - 1 if hopeful else 1  # ks[1] = 1: the shallowest drafted k
         if np.sort(rate)[-1] - np.sort(rate)[-2] > 1e-4:  # no near-tie
             assert int(choose_k(state, policy, iteration)) == best, (trial, rate, iteration)
 
@@ -196,6 +200,68 @@ def test_deferred_observation_equals_step_by_step(setup):
     np.testing.assert_allclose(np.asarray(together.last_hidden), np.asarray(apart.last_hidden), atol=1e-5)
     np.testing.assert_allclose(np.asarray(together.cache.k), np.asarray(apart.cache.k), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(together.cache.lengths), np.asarray(apart.cache.lengths))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Recorder:
+    """A network-like drafter (one forward per observe, so adaptive k = 0 defers its
+    observations) that drafts junk and checks, at every draft, that its row has observed
+    exactly the committed entries 0..lengths - 2, each once, in position order."""
+
+    k: int = dataclasses.field(default=3, metadata=dict(static=True))
+    capture_layers = ()
+    forwards_per_propose = 0
+    forwards_per_observe = 1
+    supports_rejection = False
+    num_nodes = property(lambda self: self.k)
+    max_depth = property(lambda self: self.k)
+
+    def with_k(self, k):
+        return dataclasses.replace(self, k=k)
+
+    def check_compatible(self, policy):
+        return None
+
+    def init_state(self, policy, batch, max_len):
+        return dict(seen=jnp.zeros((batch, max_len), bool), last=jnp.full((batch,), -1, jnp.int32),
+                    ok=jnp.asarray(True), drafts=jnp.zeros((), jnp.int32))
+
+    def observe(self, state, policy, obs):
+        ok, last, seen = state["ok"], state["last"], state["seen"]
+        for j in range(obs.positions.shape[1]):  # entries in order; padding (< 0) skipped
+            p = obs.positions[:, j]
+            valid = p >= 0
+            ok &= jnp.all(~valid | (p > last))
+            last = jnp.where(valid, p, last)
+            seen = seen.at[jnp.arange(p.shape[0]), jnp.where(valid, p, seen.shape[1])].set(True, mode="drop")
+        return dict(state, seen=seen, last=last, ok=ok)
+
+    def propose(self, state, policy, ctx):
+        want = jnp.arange(state["seen"].shape[1])[None, :] < (ctx.lengths - 1)[:, None]
+        ok = state["ok"] & jnp.all(state["seen"] == want)
+        tokens = jnp.zeros((ctx.lengths.shape[0], self.k), jnp.int32)
+        return Tree.chain(tokens), None, dict(state, ok=ok, drafts=state["drafts"] + 1)
+
+    def draft_stats(self, state):
+        return dict(ok=state["ok"], drafts=state["drafts"])
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_deferred_observations_reach_the_drafter_whole_and_in_order(setup, slots):
+    """Adaptive k = 0 defers a network drafter's observations (the window, and the prompts of
+    rows refilled meanwhile) to the next draft: with a window longer than any rollout the
+    drafter has seen every committed entry once, in order, whenever it drafts. A window too
+    short for the plain stretches between probes loses entries: the check fails (control)."""
+    policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
+    for window, holds in ((MAX_NEW + 8, True), (2, False)):
+        adaptive = dataclasses.replace(SWITCHING, window=window)
+        out = generate(policy, prompts, drafter=_Recorder(), adaptive=adaptive, slots=slots, **common)
+        _assert_plain(out, setup["plain"])
+        k_iters = np.asarray(out.stats.k_iterations)
+        assert k_iters[0] > 0 and k_iters[1:].sum() > 1, k_iters  # plain stretches between probes
+        assert int(out.draft_stats["drafts"]) == k_iters[1:].sum()
+        assert bool(out.draft_stats["ok"]) == holds, (window, slots)
 
 
 def test_rejection_with_switching_k_follows_the_joint_law():
