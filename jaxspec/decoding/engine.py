@@ -152,6 +152,7 @@ def generate(
     pad_id: int = 0,
     slots: int | None = None,
     adaptive: AdaptiveK | None = None,
+    grow_cache: bool | None = None,
 ) -> Rollouts:
     """Sample continuations of `prompts` from `policy`, speculatively when `drafter` is set.
 
@@ -171,16 +172,24 @@ def generate(
     `adaptive`: choose the draft length k (0 = plain decoding) before every iteration from
     the measured costs and acceptance (`jaxspec.decoding.adaptive`; build it with
     `measure_costs` on the same arguments). The drafter needs `with_k` (chain drafters).
+
+    `grow_cache`: start with a small KV cache and move to a larger one (doubling, up to the
+    full prompt + max_new_tokens) only when a live row needs it, so rows that stop early
+    never pay for the capacity they did not use (each capacity compiles its own program).
+    None (default): on CPU, where allocating and touching a large cache costs as much as
+    the steps; False: one cache of the full length from the start (GPUs: one compile).
+    The tokens do not depend on it.
     """
     return _generate(policy, prompts, drafter=drafter, sampling=sampling,
                      max_new_tokens=max_new_tokens, key=key, stop_tokens=stop_tokens,
-                     method=method, rows=rows, pad_id=pad_id, slots=slots, adaptive=adaptive)
+                     method=method, rows=rows, pad_id=pad_id, slots=slots, adaptive=adaptive,
+                     grow_cache=grow_cache)
 
 
 def _generate(
     policy, prompts, *, drafter=None, sampling=None, max_new_tokens, key, stop_tokens=(),
     method="replay", rows=None, pad_id=0, slots=None, adaptive=None, force_k: int = -1,
-    max_iterations: int | None = None,
+    max_iterations: int | None = None, grow_cache: bool | None = None,
 ) -> Rollouts:
     """`generate`, plus what `adaptive.measure_costs` needs: `force_k` (an index into
     adaptive.ks used at every iteration; -1: choose) and `max_iterations` (stop the loop
@@ -216,28 +225,117 @@ def _generate(
     rows = args.check_rows(rows, batch)
     slots = _check_slots(slots, batch, drafter)
 
+    tiers = _capacity_tiers(policy, drafter, slots, width, nodes, max_len, grow_cache)
+    iteration_cap = 2**31 - 1 if max_iterations is None else max_iterations
     start = time.perf_counter()
-    out = _generate_jit(
-        policy,
-        drafter,
-        jnp.asarray(tokens),
-        jnp.asarray(prompt_lengths),
-        sampling,
-        key,
-        jnp.asarray(stops or [-1], jnp.int32),
-        jnp.asarray(rows, jnp.int32),
-        adaptive,
-        jnp.asarray(force_k, jnp.int32),
-        jnp.asarray(2**31 - 1 if max_iterations is None else max_iterations, jnp.int32),
-        max_new_tokens=max_new_tokens,
-        max_len=max_len,
-        method=method,
-        pad_id=pad_id,
-        slots=slots,
-    )
+    state = None
+    for i, capacity in enumerate(tiers):
+        if state is not None:  # a live row outgrew the last capacity: continue in a larger one
+            state = _grow_state(state, policy, drafter, capacity=capacity, pad_id=pad_id)
+        state, out = _generate_jit(
+            policy,
+            drafter,
+            jnp.asarray(tokens),
+            jnp.asarray(prompt_lengths),
+            sampling,
+            key,
+            jnp.asarray(stops or [-1], jnp.int32),
+            jnp.asarray(rows, jnp.int32),
+            adaptive,
+            jnp.asarray(force_k, jnp.int32),
+            jnp.asarray(iteration_cap, jnp.int32),
+            state,
+            max_new_tokens=max_new_tokens,
+            max_len=capacity,
+            method=method,
+            pad_id=pad_id,
+            slots=slots,
+        )
+        if i + 1 < len(tiers) and (np.all(np.asarray(state.done))
+                                   or int(np.asarray(state.stats.target_forwards)) >= iteration_cap):
+            break
     jax.block_until_ready(out)
     wall = jnp.asarray(time.perf_counter() - start, jnp.float32)
     return dataclasses.replace(out, stats=dataclasses.replace(out.stats, wall_time_s=wall))
+
+
+_FIRST_CAPACITY = 64  # cache slots of the first segment when the cache grows
+
+
+def _capacity_tiers(policy, drafter, batch: int, width: int, nodes: int, max_len: int,
+                    grow_cache) -> list[int]:
+    """The cache capacities generation runs through: [max_len], or, growing, the smallest
+    power of two >= max(_FIRST_CAPACITY, 2 (width + nodes + 1)), doubled while the double
+    still fits in max_len, then max_len (a max_len under twice the first: just [max_len])."""
+    if grow_cache is None:
+        grow_cache = jax.default_backend() == "cpu"
+    elif not isinstance(grow_cache, bool):
+        raise ValueError(f"grow_cache must be True, False or None (auto: CPU only); got "
+                         f"{args.describe(grow_cache)}")
+    first = max(_FIRST_CAPACITY, 1 << (2 * (width + nodes + 1) - 1).bit_length())
+    if not grow_cache or 2 * first > max_len or _growth_axes(policy, drafter, batch, first) is None:
+        return [max_len]
+    tiers = []
+    while 2 * first <= max_len:
+        tiers.append(first)
+        first *= 2
+    return tiers + [max_len]
+
+
+_GROWTH_AXES: dict = {}  # memo of _growth_axes (an eval_shape costs ~1 ms per call)
+
+
+def _growth_axes(policy, drafter, batch: int, capacity: int):
+    """Per leaf of (policy cache, drafter state): the axis that grows with the capacity, or
+    None; None overall when some leaf grows along more than one axis (then no growing)."""
+    leaves, treedef = jax.tree.flatten((policy, drafter))
+    memo = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves),
+            batch, capacity)
+    if memo not in _GROWTH_AXES:
+        _GROWTH_AXES[memo] = _find_growth_axes(policy, drafter, batch, capacity)
+    return _GROWTH_AXES[memo]
+
+
+def _find_growth_axes(policy, drafter, batch: int, capacity: int):
+    def shapes(n):
+        return jax.tree.leaves(jax.eval_shape(
+            lambda p, d: (p.init_cache(batch, n), d.init_state(p, batch, n)), policy, drafter))
+    axes = []
+    for a, b in zip(shapes(capacity), shapes(capacity + 1)):
+        diff = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
+        if a.ndim != b.ndim or len(diff) > 1:
+            return None
+        axes.append(diff[0] if diff else None)
+    return axes
+
+
+@partial(jax.jit, static_argnames=("capacity", "pad_id"))
+def _grow_state(state: _LoopState, policy, drafter, *, capacity: int, pad_id: int) -> _LoopState:
+    """`state` moved into a cache of `capacity` slots: every capacity-sized leaf (the token
+    buffer, log-probs, the policy's KV cache, the drafter's per-position state) copied into
+    the front of a fresh one."""
+    batch, old = state.buffer.shape
+    fresh = (policy.init_cache(batch, capacity), drafter.init_state(policy, batch, capacity))
+    axes = _growth_axes(policy, drafter, batch, old)
+    leaves, treedef = jax.tree.flatten((state.cache, state.draft_state))
+    grown = [
+        x if ax is None else jax.lax.dynamic_update_slice(f, x.astype(f.dtype), (0,) * x.ndim)
+        for x, f, ax in zip(leaves, jax.tree.leaves(fresh), axes)
+    ]
+    cache, draft_state = jax.tree.unflatten(treedef, grown)
+    cache = KVCache(
+        k=parallel.constrain(cache.k, parallel.KV_CACHE_AXES),
+        v=parallel.constrain(cache.v, parallel.KV_CACHE_AXES),
+        lengths=parallel.constrain(cache.lengths, ("batch",)),
+    )
+    pad = ((0, 0), (0, capacity - old))
+    return dataclasses.replace(
+        state,
+        buffer=parallel.constrain(jnp.pad(state.buffer, pad, constant_values=pad_id), ("batch", "length")),
+        logprobs=jnp.pad(state.logprobs, pad),
+        cache=cache,
+        draft_state=draft_state,
+    )
 
 
 def _check_slots(slots, batch: int, drafter) -> int:
@@ -334,9 +432,10 @@ def _generate_jit(
     adaptive,  # AdaptiveK | None
     force_k,  # [] int32 index into adaptive.ks used at every iteration; -1: choose
     max_iterations,  # [] int32 stop after this many iterations
+    state_in,  # _LoopState | None: continue this (grown) state instead of starting
     *,
     max_new_tokens: int,
-    max_len: int,
+    max_len: int,  # this segment's cache capacity (`_capacity_tiers`)
     method: str,
     pad_id: int,
     slots: int,
@@ -355,60 +454,63 @@ def _generate_jit(
     if policy.decodes_unrolled(max_len, batch):  # per-layer weights, sliced once here, not per step
         policy = policy.unstack_layers()
 
-    first_tokens, first_lengths = prompt_tokens[:batch], prompt_lengths[:batch]
-    buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(first_tokens)
-    # Rows over the batch mesh axes, KV heads over tensor (no-ops outside jax.set_mesh).
-    buffer = parallel.constrain(buffer, ("batch", "length"))
-    # Prefill every prompt token but the last: the last is the first root.
-    pre_positions = jnp.arange(width, dtype=jnp.int32)[None, :]
-    pre_positions = jnp.where(pre_positions < first_lengths[:, None] - 1, pre_positions, -1)
-    cache = policy.init_cache(batch, max_len)
-    cache = KVCache(
-        k=parallel.constrain(cache.k, parallel.KV_CACHE_AXES),
-        v=parallel.constrain(cache.v, parallel.KV_CACHE_AXES),
-        lengths=parallel.constrain(cache.lengths, ("batch",)),
-    )
-    _, captured, cache = policy.forward(
-        first_tokens, pre_positions, cache, capture=capture
-    )
-    draft_state = drafter.init_state(policy, batch, max_len)
-    draft_state = drafter.observe(draft_state, policy, Observation(
-        fed_tokens=first_tokens,
-        next_tokens=jnp.roll(first_tokens, -1, axis=1),
-        positions=pre_positions,
-        captured=captured,
-    ))
-    pending = pending_prompt = None
-    if defer:
-        def empty(n):
-            return Observation(
-                fed_tokens=jnp.zeros((batch, n), jnp.int32),
-                next_tokens=jnp.zeros((batch, n), jnp.int32),
-                positions=jnp.full((batch, n), -1, jnp.int32),
-                captured={layer: jnp.zeros((batch, n) + h.shape[2:], h.dtype) for layer, h in captured.items()},
-            )
-        pending = empty(adaptive.window)
-        pending_prompt = empty(width) if refill else None
-    state = _LoopState(
-        buffer=buffer,
-        logprobs=jnp.zeros((batch, max_len), jnp.float32),
-        lengths=first_lengths.astype(jnp.int32),
-        done=jnp.zeros((batch,), bool),
-        cache=cache,
-        draft_state=draft_state,
-        stats=RolloutStats.zeros(num_prompts, max_depth,
-                                 None if adaptive is None else adaptive.max_k),
-        prompt_of=jnp.arange(batch, dtype=jnp.int32),
-        next_prompt=jnp.asarray(batch, jnp.int32),
-        out_tokens=parallel.constrain(
-            jnp.full((num_prompts, max_new_tokens), pad_id, jnp.int32), ("batch", "length")),
-        out_logprobs=parallel.constrain(
-            jnp.zeros((num_prompts, max_new_tokens), jnp.float32), ("batch", "length")),
-        out_lengths=parallel.constrain(jnp.zeros((num_prompts,), jnp.int32), ("batch",)),
-        adapt=None if adaptive is None else AdaptState.zeros(adaptive),
-        pending=pending,
-        pending_prompt=pending_prompt,
-    )
+    if state_in is not None:  # a segment after the first: the grown state of the one before
+        state = state_in
+    else:
+        first_tokens, first_lengths = prompt_tokens[:batch], prompt_lengths[:batch]
+        buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(first_tokens)
+        # Rows over the batch mesh axes, KV heads over tensor (no-ops outside jax.set_mesh).
+        buffer = parallel.constrain(buffer, ("batch", "length"))
+        # Prefill every prompt token but the last: the last is the first root.
+        pre_positions = jnp.arange(width, dtype=jnp.int32)[None, :]
+        pre_positions = jnp.where(pre_positions < first_lengths[:, None] - 1, pre_positions, -1)
+        cache = policy.init_cache(batch, max_len)
+        cache = KVCache(
+            k=parallel.constrain(cache.k, parallel.KV_CACHE_AXES),
+            v=parallel.constrain(cache.v, parallel.KV_CACHE_AXES),
+            lengths=parallel.constrain(cache.lengths, ("batch",)),
+        )
+        _, captured, cache = policy.forward(
+            first_tokens, pre_positions, cache, capture=capture
+        )
+        draft_state = drafter.init_state(policy, batch, max_len)
+        draft_state = drafter.observe(draft_state, policy, Observation(
+            fed_tokens=first_tokens,
+            next_tokens=jnp.roll(first_tokens, -1, axis=1),
+            positions=pre_positions,
+            captured=captured,
+        ))
+        pending = pending_prompt = None
+        if defer:
+            def empty(n):
+                return Observation(
+                    fed_tokens=jnp.zeros((batch, n), jnp.int32),
+                    next_tokens=jnp.zeros((batch, n), jnp.int32),
+                    positions=jnp.full((batch, n), -1, jnp.int32),
+                    captured={layer: jnp.zeros((batch, n) + h.shape[2:], h.dtype) for layer, h in captured.items()},
+                )
+            pending = empty(adaptive.window)
+            pending_prompt = empty(width) if refill else None
+        state = _LoopState(
+            buffer=buffer,
+            logprobs=jnp.zeros((batch, max_len), jnp.float32),
+            lengths=first_lengths.astype(jnp.int32),
+            done=jnp.zeros((batch,), bool),
+            cache=cache,
+            draft_state=draft_state,
+            stats=RolloutStats.zeros(num_prompts, max_depth,
+                                     None if adaptive is None else adaptive.max_k),
+            prompt_of=jnp.arange(batch, dtype=jnp.int32),
+            next_prompt=jnp.asarray(batch, jnp.int32),
+            out_tokens=parallel.constrain(
+                jnp.full((num_prompts, max_new_tokens), pad_id, jnp.int32), ("batch", "length")),
+            out_logprobs=parallel.constrain(
+                jnp.zeros((num_prompts, max_new_tokens), jnp.float32), ("batch", "length")),
+            out_lengths=parallel.constrain(jnp.zeros((num_prompts,), jnp.int32), ("batch",)),
+            adapt=None if adaptive is None else AdaptState.zeros(adaptive),
+            pending=pending,
+            pending_prompt=pending_prompt,
+        )
     draft_key = jax.random.split(key)[1]  # sampled drafts (rejection) never share the verifier's noise
     gen_offsets = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
 
@@ -427,8 +529,11 @@ def _generate_jit(
             out_lengths=s.out_lengths.at[target].set(n_gen, mode="drop"),
         )
 
-    def cond(s: _LoopState):
-        return jnp.any(~s.done) & (s.stats.target_forwards < max_iterations)
+    need = max(drafter.num_nodes, 0 if adaptive is None else adaptive.max_k) + 1  # slots a verify writes
+
+    def cond(s: _LoopState):  # a live row that could outgrow this capacity ends the segment
+        return (jnp.any(~s.done) & (s.stats.target_forwards < max_iterations)
+                & jnp.all(s.done | (s.lengths + need <= max_len)))
 
     def flush(draft_state, pending, pending_prompt):
         """Observe the deferred entries (if any: prompts started during k = 0, then the
@@ -645,11 +750,12 @@ def _generate_jit(
         )
 
     final = jax.lax.while_loop(cond, body, state)
+    # Every slot's rollout so far (a later segment harvests unfinished ones again).
     final = harvest(final, jnp.ones((batch,), bool))
     summary = getattr(drafter, "draft_stats", None)
     draft_stats = summary(final.draft_state) if summary is not None else {}
     # Rows over the batch mesh axes, as the inputs were (the harvest scatter loses it).
-    return Rollouts(
+    return final, Rollouts(
         parallel.constrain(final.out_tokens, ("batch", "length")),
         parallel.constrain(final.out_lengths, ("batch",)),
         parallel.constrain(final.out_logprobs, ("batch", "length")),
