@@ -157,14 +157,17 @@ class DraftHead(Protocol):
         embeds,  # [B, T, H]
         hidden,  # [B, T, F] or [B, T, H], as in `forward`
         positions,  # [B, T] int32
-        k_cache,  # [B, S, kv_heads, head_dim] or a jaxspec.kernels.WithAncestors view
-        v_cache,  # [B, S, kv_heads, head_dim] or a WithAncestors view
+        k_cache,  # [B, S, kv_heads, head_dim], a jaxspec.kernels.CacheLayer or WithAncestors view
+        v_cache,  # [B, S, kv_heads, head_dim], a CacheLayer or WithAncestors view
         cache_lengths,  # [B] int32
         *,
         mask,  # [B, T, T] bool among the new entries
         fuse: bool,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`forward` without storing: -> (pre-norm hidden [B, T, H], k, v [B, T, kv_heads, head_dim])."""
+        thread: bool = False,
+    ) -> tuple:
+        """`forward` without storing: -> (pre-norm hidden [B, T, H], k, v [B, T, kv_heads,
+        head_dim]); thread=True appends (k_cache, v_cache) as the attention passed them on
+        (`jaxspec.kernels.tree_attention`), which `forward` stores into."""
 
     def draft_logits(self, hidden, policy) -> tuple[jax.Array, jax.Array | None]:
         """hidden [..., H] -> (float32 logits [..., C], target ids [C] of the candidates, or None

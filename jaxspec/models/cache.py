@@ -168,10 +168,17 @@ def compact(
 def single_layer_forward(layer_step, embeds, hidden, positions, cache: KVCache, *, mask, fuse: bool):
     """A draft head's one decoder layer over new entries, their keys and values appended to
     its one-layer `cache`: `layer_step(embeds, hidden, positions, k_cache, v_cache, lengths,
-    mask=, fuse=) -> (hidden, k, v)` is the head's (EAGLE-3, MTP). Returns (hidden, cache)."""
+    mask=, fuse=, thread=True) -> (hidden, k, v, k_cache, v_cache)` is the head's (EAGLE-3,
+    MTP). The cache goes in unsliced and comes back from the attention (threaded, as the
+    policy's layers do): a sliced layer would be copied whole at every call, a cost that
+    grew with the capacity. Returns (hidden, cache)."""
+    from jaxspec.kernels import CacheLayer  # kernels import this module
+
     valid, mask = new_token_mask(positions, mask)
-    out, k, v = layer_step(
-        embeds, hidden, positions, cache.k[0], cache.v[0],
-        jnp.minimum(cache.lengths, cache.max_len), mask=mask, fuse=fuse,
+    layer = jnp.int32(0)
+    out, k, v, k_layer, v_layer = layer_step(
+        embeds, hidden, positions, CacheLayer(cache.k, layer), CacheLayer(cache.v, layer),
+        jnp.minimum(cache.lengths, cache.max_len), mask=mask, fuse=fuse, thread=True,
     )
+    cache = dataclasses.replace(cache, k=k_layer.stack, v=v_layer.stack)
     return out, cache.append(0, k, v, valid).advance(valid)

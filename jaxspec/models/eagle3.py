@@ -186,8 +186,10 @@ class Eagle3Head:
         *,
         mask,  # [B, T, T] bool among the new entries (padding already masked)
         fuse: bool,
-    ):  # -> (pre-norm hidden [B, T, H], k [B, T, kv_heads, head_dim], v)
-        """`forward` without storing the new entries' keys and values: they are returned."""
+        thread: bool = False,
+    ):  # -> (pre-norm hidden [B, T, H], k [B, T, kv_heads, head_dim], v); thread: + (k_cache, v_cache)
+        """`forward` without storing the new entries' keys and values: they are returned
+        (thread=True: also the caches as the attention passed them on, kernels.tree_attention)."""
         m = self.module
         dtype = self.config.layer.param_dtype
         hidden = hidden.astype(dtype)
@@ -195,7 +197,7 @@ class Eagle3Head:
             hidden = m.fuse(hidden)
         return m(  # the module is its decoder layer
             hidden, jnp.maximum(positions, 0), k_cache, v_cache, cache_lengths, mask,
-            embeds=embeds.astype(dtype),
+            embeds=embeds.astype(dtype), thread=thread,
         )
 
     def logits(self, hidden):  # [..., H] -> float32 [..., draft_vocab]

@@ -125,14 +125,16 @@ class MTPHead:
         *,
         mask,  # [B, T, T] bool among the new entries (padding already masked)
         fuse: bool,  # unused, as in `forward`
-    ):  # -> (pre-norm hidden [B, T, H], k [B, T, kv_heads, head_dim], v)
-        """`forward` without storing the new entries' keys and values: they are returned."""
+        thread: bool = False,
+    ):  # -> (pre-norm hidden [B, T, H], k [B, T, kv_heads, head_dim], v); thread: + (k_cache, v_cache)
+        """`forward` without storing the new entries' keys and values: they are returned
+        (thread=True: also the caches as the attention passed them on, kernels.tree_attention)."""
         del fuse
         m = self.module
         dtype = self.config.layer.param_dtype
         x = jnp.concatenate([m.enorm(embeds.astype(dtype)), m.hnorm(hidden.astype(dtype))], axis=-1)
         x = x @ m.eh_proj[...]
-        return m.block(x, jnp.maximum(positions, 0), k_cache, v_cache, cache_lengths, mask)
+        return m.block(x, jnp.maximum(positions, 0), k_cache, v_cache, cache_lengths, mask, thread=thread)
 
     def draft_logits(self, hidden, policy):  # [..., H] -> (float32 [..., V], None: ids are the target's)
         """Logits through the policy's shared LM head, over the full target vocabulary."""
