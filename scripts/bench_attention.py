@@ -4,6 +4,7 @@
     python scripts/bench_attention.py rollout   # same rollouts, max_new_tokens 2048 vs 64
     python scripts/bench_attention.py decode    # decode step, 2048-slot vs 128-slot cache
     python scripts/bench_attention.py tree      # EAGLE-3 dynamic-tree proposal, depth 2-6
+    python scripts/bench_attention.py chain     # EAGLE-3 chain proposal, 128- vs 2048-slot head cache
 
 rollout: a random policy (ModelConfig.tiny shape, `--hidden`) samples from the same
 prompts and key with a large set of stop tokens, so every row stops within a few tokens;
@@ -13,6 +14,9 @@ each on a cache holding the same `--live` tokens, at two capacities.
 tree: `Eagle3Drafter.propose` with a dynamic tree (top_k 4, budget = depth) on a cache
 holding `--live` tokens; `--refeed` also times the re-feed-every-depth proposal (the one
 before issue 13) and checks both propose the same tree.
+chain: `Eagle3Drafter.propose` with a chain of `--k` drafts on head caches of each of
+`--capacities` slots holding the same `--live` entries, `--steps` proposals in a compiled
+loop carrying the head's state (as the engine does); ms per proposal.
 
 Timing: everything is compiled first, then the variants run alternately (A/B/A/B,
 `--rounds` rounds); a ratio is the median of the per-round ratios, so load on a shared
@@ -39,7 +43,7 @@ from jaxspec.models.transformer import random_policy
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["rollout", "decode", "tree"])
+    p.add_argument("mode", choices=["rollout", "decode", "tree", "chain"])
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny policy")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--vocab", type=int, default=128, help="vocabulary (and tree: draft vocabulary)")
@@ -50,9 +54,10 @@ def _parse(argv=None):
     p.add_argument("--budgets", default="64,2048", help="rollout: max_new_tokens, small first")
     p.add_argument("--prompt-len", type=int, default=16, help="rollout: prompt tokens")
     p.add_argument("--stops", type=int, default=24, help="rollout: stop tokens (ids 0..n-1)")
-    p.add_argument("--steps", type=int, default=32, help="decode: forwards per timed call")
+    p.add_argument("--steps", type=int, default=32, help="decode: forwards (chain: proposals) per timed call")
     p.add_argument("--depths", default="2,3,4,5,6", help="tree: draft depths")
     p.add_argument("--refeed", action="store_true", help="tree: also time the re-feed proposal")
+    p.add_argument("--k", type=int, default=3, help="chain: drafts per proposal")
     p.add_argument("--layer-loop", choices=("auto", "scan", "unroll"), default="auto",
                    help="model.layer_loop (auto may pick differently at the two capacities)")
     p.add_argument("--seed", type=int, default=0)
@@ -192,11 +197,51 @@ def bench_tree(args) -> None:
         print(f"| {depth} | " + " | ".join(cells) + (f" | {' / '.join(ratios)} |" if args.refeed else " |"))
 
 
+def bench_chain(args) -> None:
+    from jaxspec.decoding.drafters import Eagle3Drafter
+    from jaxspec.decoding.protocols import DraftContext
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    caps = [int(c) for c in args.capacities.split(",")]
+    policy = _policy(args, max(caps))
+    head = Eagle3Head.init_for(policy, policy.config.vocab_size, jax.random.key(args.seed + 1))
+    drafter = Eagle3Drafter(head, k=args.k, coupled=False)
+    print(f"chain: tiny policy hidden {args.hidden}, EAGLE-3 head, k = {args.k}, {args.live} "
+          f"cached entries; ms per proposal at head-cache capacities {caps}")
+    print("| batch | " + " | ".join(f"{c} slots" for c in caps) + f" | {caps[-1]} / {caps[0]} |")
+    print("| --- |" + " --- |" * (len(caps) + 1))
+    for batch in (int(b) for b in args.batches.split(",")):
+        fns = {}
+        for cap in caps:
+            state = drafter.init_state(policy, batch, cap)
+            state = dataclasses.replace(state, cache=dataclasses.replace(
+                state.cache, lengths=jnp.full((batch,), args.live, jnp.int32)))
+            lengths = jnp.full((batch,), args.live + 1, jnp.int32)
+            buffer = jnp.zeros((batch, cap), jnp.int32)
+
+            @jax.jit
+            def proposals(state, lengths, buffer):  # `--steps` proposals, the state carried
+                ctx = DraftContext(buffer=buffer, lengths=lengths, key=jax.random.key(0),
+                                   sampling=SamplingConfig(), sampled=False)
+
+                def body(i, carry):  # as the engine's loop: the head's cache is loop state
+                    state, total = carry
+                    tree, _, state = drafter.propose(state, policy, ctx)
+                    return state, total + jnp.sum(tree.tokens)
+                return jax.lax.fori_loop(0, args.steps, body, (state, jnp.int32(0)))[1]
+
+            fns[cap] = lambda f=proposals, a=(state, lengths, buffer): f(*a)
+        times = interleaved(fns, args.rounds, warmup=True)
+        print(f"| {batch} | " + " | ".join(f"{_ms(times[c]) / args.steps:.2f}" for c in caps)
+              + f" | {median_ratio(times[caps[-1]], times[caps[0]]):.2f} |")
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
-    {"rollout": bench_rollout, "decode": bench_decode, "tree": bench_tree}[args.mode](args)
+    {"rollout": bench_rollout, "decode": bench_decode, "tree": bench_tree,
+     "chain": bench_chain}[args.mode](args)
     return 0
 
 
