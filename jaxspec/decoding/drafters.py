@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.protocols import DraftContext, DraftHead, Observation
 from jaxspec.decoding.sampling import process_logits, processed_logits
 from jaxspec.decoding.tree import Tree
-from jaxspec.kernels import WithAncestors
+from jaxspec.kernels import CacheLayer, WithAncestors
 from jaxspec.models import KVCache, Policy
 
 
@@ -406,7 +406,8 @@ class _HeadDrafter:
                     mask=fed_anc, fuse=False,
                 )
             else:
-                k_cache, v_cache = cache.k[0], cache.v[0]
+                # the stacked cache, unsliced (a slice fed to the block loop is a whole copy)
+                k_cache, v_cache = CacheLayer(cache.k, jnp.int32(0)), CacheLayer(cache.v, jnp.int32(0))
                 if fed_k is not None:  # the frontier also sees its ancestors among them
                     seen = fed_anc[:, -kk:, : num_fed - kk]  # [batch, kk, fed - kk]
                     k_cache, v_cache = WithAncestors(k_cache, fed_k, seen), WithAncestors(v_cache, fed_v, seen)
