@@ -617,7 +617,7 @@ def _generate_jit(
         logprobs = s.logprobs.at[b_idx, write_at].set(emitted_logp, mode="drop")
 
         kept = jnp.where((offs < (num_accepted + 1)[:, None]) & active[:, None], path, -1)
-        cache = compact(cache, kept, num_fed=num_nodes + 1, fed_mask=active)
+        cache = compact(cache, kept, num_fed=num_nodes + 1, fed_mask=active, prefix=tree.is_chain)
         kept_idx = jnp.maximum(kept, 0)
         # The drafter observes what was emitted: entries past a stop token or the budget
         # (the row is done) are padding, so its counters match `accepted_at`.

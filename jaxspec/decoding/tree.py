@@ -28,6 +28,9 @@ class Tree:
     parents: jax.Array  # [B, N] int32: -1 = the root, else a node index j < i
     depths: jax.Array  # [B, N] int32: 1 + the parent's depth (the root has depth 0)
     max_depth: int = dataclasses.field(default=None, metadata=dict(static=True))
+    # node i extends node i - 1 in every row (`chain`): an accepted path is a prefix of the
+    # fed block, already contiguous in the cache
+    is_chain: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __post_init__(self):
         fields = ("tokens", "parents", "depths")
@@ -59,7 +62,7 @@ class Tree:
         batch, k = tokens.shape
         parents = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32) - 1, (batch, k))
         depths = jnp.broadcast_to(jnp.arange(1, k + 1, dtype=jnp.int32), (batch, k))
-        return cls(tokens, parents, depths, max_depth=k)
+        return cls(tokens, parents, depths, max_depth=k, is_chain=True)
 
     @classmethod
     def from_parents(

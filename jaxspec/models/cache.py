@@ -134,6 +134,7 @@ def compact(
     num_fed: int,
     *,
     fed_mask=None,  # [B] bool: rows the last forward fed (others are left as they are)
+    prefix: bool = False,  # every path is 0, 1, ..., n then padding: nothing moves
 ) -> KVCache:
     """Keep only the accepted path of the last forward's fed block, contiguously.
 
@@ -141,7 +142,8 @@ def compact(
     path[b, j] >= 0 of that block moves to slot base + j; lengths become base + #(path >= 0).
     Paths are ancestor chains in topological order, so every source index is >= its
     destination index and a gather-then-scatter never reads an overwritten slot.
-    Rows with fed_mask False (fed only padding) keep their slots and lengths.
+    Rows with fed_mask False (fed only padding) keep their slots and lengths. prefix=True
+    (a chain's accepted path: the fed block's first entries) only sets the lengths.
     """
     path = jnp.asarray(path, jnp.int32)
     if path.ndim != 2 or path.shape[0] != cache.batch:
@@ -162,7 +164,10 @@ def compact(
         return buf.at[:, rows, dst].set(picked, mode="drop")
 
     kept = base + jnp.sum(keep, axis=1, dtype=jnp.int32)
-    return KVCache(k=move(cache.k), v=move(cache.v), lengths=jnp.where(fed, kept, cache.lengths))
+    lengths = jnp.where(fed, kept, cache.lengths)
+    if prefix:  # source == destination for every kept entry
+        return dataclasses.replace(cache, lengths=lengths)
+    return KVCache(k=move(cache.k), v=move(cache.v), lengths=lengths)
 
 
 def single_layer_forward(layer_step, embeds, hidden, positions, cache: KVCache, *, mask, fuse: bool):

@@ -202,6 +202,24 @@ def test_compact_and_append_match_numpy():
     np.testing.assert_array_equal(grown.k, want_k)
 
 
+def test_compact_of_a_prefix_path_moves_nothing():
+    """prefix=True (a chain's accepted path 0..n) against the numpy contract: lengths set,
+    every slot unchanged."""
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((2, 3, 10, 2, 4)).astype(np.float32)
+    lengths = np.array([8, 5, 7], np.int32)  # each row was fed 4 tokens (rows 0, 1) or none (row 2)
+    cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(-k), lengths=jnp.asarray(lengths))
+    path = np.array([[0, 1, 2, -1], [0, -1, -1, -1], [-1, -1, -1, -1]], np.int32)
+    fed = np.array([True, True, False])
+    out = compact(cache, path, num_fed=4, fed_mask=fed, prefix=True)
+    np.testing.assert_array_equal(out.lengths, [8 - 4 + 3, 5 - 4 + 1, 7])
+    np.testing.assert_array_equal(out.k, k)
+    np.testing.assert_array_equal(out.v, -k)
+    general = compact(cache, path, num_fed=4, fed_mask=fed)
+    np.testing.assert_array_equal(general.k, out.k)
+    np.testing.assert_array_equal(general.lengths, out.lengths)
+
+
 def test_capture_out_of_range_is_an_error(qwen3_policies):
     # Captured values are checked against HF hidden_states in test_hf.py.
     policy = qwen3_policies["float32"]
