@@ -556,9 +556,9 @@ class JsonlTask(Task):
 TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "countdown": CountdownTask,
-    "counting": CountingTask,
     "jsonl": JsonlTask,
     "worked_addition": WorkedAdditionTask,
+    "counting": CountingTask,
 }
 
 
