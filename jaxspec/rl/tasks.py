@@ -16,8 +16,8 @@ from fractions import Fraction
 
 from jaxspec.rl import answers
 
-__all__ = ["ArithmeticTask", "CharTokenizer", "CountdownTask", "DatasetError", "Example",
-           "JsonlTask", "TASKS", "WorkedAdditionTask", "load_jsonl", "make_task"]
+__all__ = ["ArithmeticTask", "CharTokenizer", "CountdownTask", "CountingTask", "DatasetError",
+           "Example", "JsonlTask", "TASKS", "WorkedAdditionTask", "load_jsonl", "make_task"]
 
 
 class CharTokenizer:
@@ -205,6 +205,21 @@ class ArithmeticTask(Task):
         return 0.5 * same / max(len(got), len(want))
 
 
+def _worked_answer_reward(completion: str, want: str, partial_credit: bool) -> float:
+    """Reward of a worked completion from its answer after the last ";": 1 when exact;
+    with partial_credit, 0.5 * (digits right, aligned at the units) / max(length of both)
+    for a well-formed number; 0 without a ";"."""
+    if ";" not in completion:
+        return 0.0
+    got = completion.rsplit(";", 1)[1].strip()
+    if got == want:
+        return 1.0
+    if not partial_credit or not got.isdigit():
+        return 0.0
+    same = sum(x == y for x, y in zip(got[::-1], want[::-1], strict=False))
+    return 0.5 * same / max(len(got), len(want))
+
+
 class WorkedAdditionTask(Task):
     """Long addition with the column-by-column work written out, like a reasoning trace:
     "47+38=" -> "7+8+0=15,4+3+1=08;085".
@@ -268,15 +283,71 @@ class WorkedAdditionTask(Task):
         return self.work(a, b, wrong_column=rng.randrange(len(a)), error=rng.randint(1, 9))
 
     def reward(self, example, completion):
-        if ";" not in completion:
-            return 0.0
-        got, want = completion.rsplit(";", 1)[1].strip(), example.answer
-        if got == want:
-            return 1.0
-        if not self.partial_credit or not got.isdigit():
-            return 0.0
-        same = sum(x == y for x, y in zip(got[::-1], want[::-1], strict=False))
-        return 0.5 * same / max(len(got), len(want))
+        return _worked_answer_reward(completion, example.answer, self.partial_credit)
+
+
+class CountingTask(Task):
+    """Addition by counting, a long and locally predictable trace: "17+4=" ->
+    "17:4,18:3,19:2,20:1,21:0;21" (count up from a while counting n down to 0, then the
+    sum after ";").
+
+    n is drawn log-uniformly from min_count..max_count and a uniformly from
+    0..max_number - n, so completion lengths are long-tailed: with the defaults (n of 2-24,
+    sums up to 99) the mean is ~52 tokens, the median ~38 and the 90th percentile ~3x the
+    median (the longest 143). Every item is the one before it with the number up one and
+    the counter down one, and the stop (counter 0) is local, which a small policy and a
+    one-layer draft head learn quickly. Reward comes from the sum after the last ";": 1
+    when exact; with partial_credit, 0.5 * (digits right, aligned at the units) /
+    max(length of both) for a well-formed number; 0 without a ";". With probability
+    warmup_noise a warm-up target miscounts once (at a random item the number steps by 0
+    or 2 instead of 1, and counting goes on from there), so the warmed-up policy miscounts
+    now and then and RL can remove it."""
+
+    name = "counting"
+
+    def __init__(self, seed: int = 0, max_count: int = 24, min_count: int = 2,
+                 max_number: int = 99, partial_credit: bool = True, warmup_noise: float = 0.3):
+        super().__init__(seed)
+        for key, value in (("min_count", min_count), ("max_count", max_count),
+                           ("max_number", max_number)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{key} must be an integer, got {value!r}")  # noqa: TRY004
+        if not 1 <= min_count <= max_count:
+            raise ValueError(f"need 1 <= min_count <= max_count; got min_count={min_count}, "
+                             f"max_count={max_count}")
+        if max_number < max_count:
+            raise ValueError(f"max_number must be >= max_count = {max_count} (the largest "
+                             f"sum), got {max_number}")
+        if not 0 <= warmup_noise <= 1:
+            raise ValueError(f"warmup_noise must be in [0, 1], got {warmup_noise}")
+        self.tokenizer = CharTokenizer()
+        self.min_count, self.max_count, self.max_number = min_count, max_count, max_number
+        self.partial_credit, self.warmup_noise = partial_credit, warmup_noise
+
+    @staticmethod
+    def work(a: int, n: int, slip: int | None = None, step: int = 1) -> str:
+        """The worked completion counting n up from a; at item `slip` (1..n) the number
+        moves by `step` instead of 1."""
+        items, x = [f"{a}:{n}"], a
+        for i in range(1, n + 1):
+            x += step if i == slip else 1
+            items.append(f"{x}:{n - i}")
+        return ",".join(items) + f";{x}"
+
+    def _make(self, rng):
+        lo, hi = self.min_count, self.max_count + 1  # log-uniform on [lo, hi), floored
+        n = min(int(lo * (hi / lo) ** rng.random()), self.max_count)
+        a = rng.randint(0, self.max_number - n)
+        return Example(f"{a}+{n}=", str(a + n), self.work(a, n))
+
+    def _warmup_target(self, example, rng):
+        if rng.random() >= self.warmup_noise:
+            return example.solution
+        a, n = (int(x) for x in example.prompt[:-1].split("+"))
+        return self.work(a, n, slip=rng.randint(1, n), step=rng.choice((0, 2)))
+
+    def reward(self, example, completion):
+        return _worked_answer_reward(completion, example.answer, self.partial_credit)
 
 
 class _ExprError(ValueError):
@@ -487,6 +558,7 @@ TASKS: dict[str, type[Task]] = {
     "countdown": CountdownTask,
     "jsonl": JsonlTask,
     "worked_addition": WorkedAdditionTask,
+    "counting": CountingTask,
 }
 
 

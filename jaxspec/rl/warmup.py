@@ -35,6 +35,7 @@ __all__ = [
     "draft_corpus",
     "encode_pairs",
     "init_eagle3_head",
+    "pack_sequences",
     "supervised_warmup",
 ]
 
@@ -65,17 +66,28 @@ def encode_pairs(
     return tokens, mask
 
 
-def _token_nll(policy, tokens, mask):  # [B, T], [B, T] -> scalar mean NLL of the masked tokens
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, _, _ = policy.forward(tokens, positions)
+def _token_nll(policy, tokens, mask, segments=None):
+    """Mean NLL of the masked tokens of tokens [B, T] (mask [B, T]). segments [B, T] int32:
+    packed rows, several sequences per row (-1 = padding); each token sees only the earlier
+    tokens of its own segment, at positions counted from the segment's start."""
+    if segments is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits, _, _ = policy.forward(tokens, positions)
+    else:
+        t = tokens.shape[1]
+        same = segments[:, :, None] == segments[:, None, :]  # [B, T, T]
+        attend = same & jnp.tril(jnp.ones((t, t), bool))[None]
+        positions = jnp.sum(attend, axis=-1).astype(jnp.int32) - 1  # index in the segment
+        logits, _, _ = policy.forward(tokens, positions, mask=attend)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, jnp.roll(tokens, -1, axis=1)[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer",))
-def _warmup_scan(policy, opt_state, tokens, mask, optimizer):
-    """All warm-up steps in one program: tokens/mask [steps, batch, T]."""
+def _warmup_scan(policy, opt_state, tokens, mask, segments, optimizer):
+    """All warm-up steps in one program: tokens/mask/segments [steps, rows, T] (segments
+    None: one sequence per row)."""
 
     def body(carry, batch):
         params, opt_state = carry
@@ -84,8 +96,49 @@ def _warmup_scan(policy, opt_state, tokens, mask, optimizer):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    (params, opt_state), losses = jax.lax.scan(body, (policy.params, opt_state), (tokens, mask))
+    xs = (tokens, mask) if segments is None else (tokens, mask, segments)
+    (params, opt_state), losses = jax.lax.scan(body, (policy.params, opt_state), xs)
     return policy.replace(params=params), losses
+
+
+def pack_sequences(
+    tokens,  # [steps, batch, T] int32 right-padded sequences
+    loss_mask,  # [steps, batch, T] bool (encode_pairs' convention)
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # tokens, loss_mask, segments [steps, R, T]
+    """Each step's sequences packed first-fit (longest first) into R rows of width T, R the
+    most rows any step needs; segments numbers the sequences of a row (-1 = padding). The
+    loss over the packed rows equals the padded one: the same tokens, each seeing only its
+    own sequence (`_token_nll`)."""
+    steps, batch, width = tokens.shape
+    # a sequence ends one past the EOS, the token after the last masked position
+    ends = np.where(loss_mask.any(-1), width - np.argmax(loss_mask[..., ::-1], axis=-1) + 1, 0)
+    plans = []
+    for s in range(steps):
+        rows: list[list[int]] = []  # sequences per row
+        room: list[int] = []
+        for i in sorted(range(batch), key=lambda i: -ends[s, i]):
+            r = next((r for r, free in enumerate(room) if free >= ends[s, i]), None)
+            if r is None:
+                rows.append([])
+                room.append(width)
+                r = len(rows) - 1
+            rows[r].append(i)
+            room[r] -= ends[s, i]
+        plans.append(rows)
+    n_rows = max(len(rows) for rows in plans)
+    out_t = np.zeros((steps, n_rows, width), np.int32)
+    out_m = np.zeros((steps, n_rows, width), bool)
+    out_s = np.full((steps, n_rows, width), -1, np.int32)
+    for s, rows in enumerate(plans):
+        for r, members in enumerate(rows):
+            at = 0
+            for seg, i in enumerate(members):
+                n = ends[s, i]
+                out_t[s, r, at:at + n] = tokens[s, i, :n]
+                out_m[s, r, at:at + n] = loss_mask[s, i, :n]
+                out_s[s, r, at:at + n] = seg
+                at += n
+    return out_t, out_m, out_s
 
 
 def supervised_warmup(
@@ -98,7 +151,8 @@ def supervised_warmup(
     lr: float,
 ) -> tuple[Policy, np.ndarray]:  # (warmed-up policy, per-step loss [steps])
     """Cross-entropy training with AdamW (constant lr, global-norm clip 1), one batch per
-    step in the given order, all steps in one jitted scan."""
+    step in the given order, all steps in one jitted scan. Where a step's sequences fit in
+    fewer rows packed (long-tailed lengths), they are packed (`pack_sequences`)."""
     tokens = np.asarray(tokens, np.int32)
     loss_mask = np.asarray(loss_mask, bool)
     if steps == 0:
@@ -110,8 +164,13 @@ def supervised_warmup(
                                          clip_norm=1.0, warmup_steps=0))
     opt_state = optimizer.init(policy.params)
     shape = (steps, batch_size, tokens.shape[1])
-    policy, losses = _warmup_scan(policy, opt_state, jnp.asarray(tokens.reshape(shape)),
-                                  jnp.asarray(loss_mask.reshape(shape)), optimizer)
+    tokens, loss_mask, segments = tokens.reshape(shape), loss_mask.reshape(shape), None
+    packed = pack_sequences(tokens, loss_mask)
+    if packed[0].shape[1] < batch_size:  # short sequences share rows: fewer rows to run
+        tokens, loss_mask, segments = packed
+        segments = jnp.asarray(segments)
+    policy, losses = _warmup_scan(policy, opt_state, jnp.asarray(tokens),
+                                  jnp.asarray(loss_mask), segments, optimizer)
     return policy, np.asarray(losses)
 
 

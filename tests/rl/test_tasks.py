@@ -3,13 +3,21 @@
 import json
 
 import numpy as np
-
 import pytest
 
-from jaxspec.rl.tasks import (TASKS, ArithmeticTask, CharTokenizer, CountdownTask, DatasetError,
-                              Example, JsonlTask, WorkedAdditionTask, load_jsonl,
-                              make_task)
-
+from jaxspec.rl.tasks import (
+    TASKS,
+    ArithmeticTask,
+    CharTokenizer,
+    CountdownTask,
+    CountingTask,
+    DatasetError,
+    Example,
+    JsonlTask,
+    WorkedAdditionTask,
+    load_jsonl,
+    make_task,
+)
 
 # ----------------------------------------------------------------------------- tokenizer
 
@@ -203,7 +211,7 @@ def test_jsonl_errors_name_the_problem(tmp_path):
 
 
 def test_registry_and_make_task():
-    assert set(TASKS) == {"arithmetic", "countdown", "jsonl", "worked_addition"}
+    assert set(TASKS) == {"arithmetic", "countdown", "counting", "jsonl", "worked_addition"}
     task = make_task("arithmetic", seed=2, digits=3)
     assert isinstance(task, ArithmeticTask) and task.digits == 3 and task.seed == 2
     with pytest.raises(ValueError, match="unknown task 'nope'"):
@@ -295,6 +303,83 @@ def test_worked_addition_rejects_bad_parameters():
         WorkedAdditionTask(max_digits=0)
     with pytest.raises(ValueError, match="warmup_noise"):
         WorkedAdditionTask(warmup_noise=1.5)
+
+
+# ----------------------------------------------------------------------------- counting
+
+def _parse_count(prompt: str, completion: str):
+    """(a, n, numbers, counters, answer) of a counting prompt and completion."""
+    a, n = (int(x) for x in prompt[:-1].split("+"))
+    items, answer = completion.split(";")
+    pairs = [item.split(":") for item in items.split(",")]
+    return a, n, [int(x) for x, _ in pairs], [int(c) for _, c in pairs], answer
+
+
+def test_counting_solution_and_reward_match_python_addition():
+    task = make_task("counting", seed=3)
+    assert TASKS["counting"] is CountingTask
+    for ex in task.batch(0, 300):
+        a, n, numbers, counters, answer = _parse_count(ex.prompt, ex.solution)
+        assert ex.answer == answer == str(a + n)  # Python's sum
+        # a plain walk: up one while the counter goes down one, from (a, n) to (a + n, 0)
+        assert numbers == [a + i for i in range(n + 1)]
+        assert counters == [n - i for i in range(n + 1)]
+        assert a >= 0 and a + n <= task.max_number and task.min_count <= n <= task.max_count
+        assert task.reward(ex, ex.solution) == 1.0
+        assert task.reward(ex, "anything;" + answer) == 1.0  # the reward reads the sum only
+        assert task.reward(ex, answer) == 0.0  # no ";": not the format
+        assert task.reward(ex, "x;1a") == 0.0
+    ex = Example("17+9=", "26", "")
+    assert task.reward(ex, "x;25") == 0.25  # the tens digit right: 0.5 * 1 / 2
+    assert task.reward(ex, "x;126") == pytest.approx(0.5 * 2 / 3)
+    assert task.reward(ex, "x;7") == 0.0
+    assert CountingTask(partial_credit=False).reward(ex, "x;25") == 0.0
+
+
+def test_counting_length_statistics():
+    tok = CharTokenizer()
+    task = CountingTask(seed=0)
+    exs = task.batch(0, 2000)
+    lengths = np.array([len(tok.encode(ex.solution, eos=True)) for ex in exs])
+    median = np.median(lengths)
+    assert lengths.mean() >= 48
+    assert np.percentile(lengths, 90) >= 2.5 * median
+    # the longest: max_count + 1 items "xx:yy," of two-digit numbers, then ";" + sum + EOS
+    assert lengths.max() <= 6 * (task.max_count + 1) + 3
+    # counts are log-uniform on [min, max + 1): P(n <= 5) = log(6 / min) / log((max + 1) / min)
+    ns = np.array([int(ex.prompt[:-1].split("+")[1]) for ex in exs])
+    p = np.log(6 / task.min_count) / np.log((task.max_count + 1) / task.min_count)
+    assert abs(np.mean(ns <= 5) - p) < 4 * np.sqrt(p * (1 - p) / 2000)  # ~6e-5 false failure
+
+
+def test_counting_warmup_targets_miscount_once():
+    task = CountingTask(seed=0, warmup_noise=0.3)
+    wrong = 0
+    for prompt, target in task.supervised_examples(400, seed=1):
+        a, n, numbers, counters, answer = _parse_count(prompt, target)
+        assert numbers[0] == a and counters == [n - i for i in range(n + 1)]
+        assert answer == str(numbers[-1])  # the answer is what the written count reached
+        steps = np.diff(numbers)
+        if answer == str(a + n):
+            assert np.all(steps == 1)
+        else:  # one slip: a step of 0 or 2, every other step 1
+            wrong += 1
+            assert np.sum(steps != 1) == 1 and set(steps) <= {0, 1, 2}
+            assert abs(int(answer) - (a + n)) == 1
+    assert abs(wrong / 400 - 0.3) < 4 * np.sqrt(0.3 * 0.7 / 400)
+
+
+def test_counting_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="min_count=5, max_count=3"):
+        CountingTask(min_count=5, max_count=3)
+    with pytest.raises(ValueError, match="min_count=0"):
+        CountingTask(min_count=0)
+    with pytest.raises(ValueError, match="max_count must be an integer, got 2.5"):
+        CountingTask(max_count=2.5)
+    with pytest.raises(ValueError, match="max_number must be >= max_count = 24 .*got 9"):
+        CountingTask(max_count=24, max_number=9)
+    with pytest.raises(ValueError, match="warmup_noise must be in \\[0, 1\\], got -0.1"):
+        CountingTask(warmup_noise=-0.1)
 
 
 # ----------------------------------------------------------------------------- HF tokenizer
