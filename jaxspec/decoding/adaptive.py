@@ -213,8 +213,8 @@ def measure_costs(
     `generate(policy, prompts, drafter=drafter, **generate_kwargs)` (same prompts, slots,
     max_new_tokens, ...), and return the AdaptiveK that `generate(adaptive=...)` takes.
 
-    One compiled program serves every k and the real calls: k is forced through a traced
-    argument. Per round and k: the first `iterations` iterations at k are timed and the
+    One compiled program serves every k: k is forced through a traced argument (on one
+    full-length cache, `generate(grow_cache=False)`). Per round and k: the first `iterations` iterations at k are timed and the
     prefill-only call (0 iterations) is subtracted; c_k = median over rounds of that over
     the iterations run (floored at a tenth of the whole call's time per iteration, so noise
     cannot make a cost vanish). ks: default 0..drafter.k. Other AdaptiveK fields:
@@ -236,8 +236,11 @@ def measure_costs(
     probe = AdaptiveK(jnp.ones((len(ks),), jnp.float32), ks=tuple(ks))
 
     def call(force, n):
+        # one full-length cache: a growing one would charge the deeper k's (which outgrow
+        # the first capacity sooner) for the growth, skewing the ratios
         return lambda: engine._generate(policy, prompts, drafter=drafter, adaptive=probe,
-                                        force_k=force, max_iterations=n, **generate_kwargs)
+                                        force_k=force, max_iterations=n, grow_cache=False,
+                                        **generate_kwargs)
 
     fns = {"prefill": call(-1, 0)}
     fns.update({f"k{k}": call(i, iterations) for i, k in enumerate(probe.ks)})

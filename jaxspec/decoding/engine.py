@@ -178,7 +178,8 @@ def generate(
     never pay for the capacity they did not use (each capacity compiles its own program).
     None (default): on CPU, where allocating and touching a large cache costs as much as
     the steps; False: one cache of the full length from the start (GPUs: one compile).
-    The tokens do not depend on it.
+    With the reference attention the tokens do not depend on it; GPU kernels that plan
+    their reduction by the capacity (pallas, triton) may differ in the last bits.
     """
     return _generate(policy, prompts, drafter=drafter, sampling=sampling,
                      max_new_tokens=max_new_tokens, key=key, stop_tokens=stop_tokens,
@@ -309,7 +310,7 @@ def _find_growth_axes(policy, drafter, batch: int, capacity: int):
     return axes
 
 
-@partial(jax.jit, static_argnames=("capacity", "pad_id"))
+@partial(jax.jit, static_argnames=("capacity", "pad_id"))  # (donating: no buffer has the new shape)
 def _grow_state(state: _LoopState, policy, drafter, *, capacity: int, pad_id: int) -> _LoopState:
     """`state` moved into a cache of `capacity` slots: every capacity-sized leaf (the token
     buffer, log-probs, the policy's KV cache, the drafter's per-position state) copied into
@@ -419,7 +420,9 @@ def _refill_draft_state(drafter, policy, state, axes, slot, obs: Observation, ma
     return treedef.unflatten(out)
 
 
-@partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id", "slots"))
+# state_in is donated: a later segment's loop takes over the grown state's buffers.
+@partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id", "slots"),
+         donate_argnames=("state_in",))
 def _generate_jit(
     policy: Policy,
     drafter: Drafter,
