@@ -298,12 +298,16 @@ def _growth_axes(policy, drafter, batch: int, capacity: int):
 
 
 def _find_growth_axes(policy, drafter, batch: int, capacity: int):
-    def shapes(n):
-        return jax.tree.leaves(jax.eval_shape(
-            lambda p, d: (p.init_cache(batch, n), d.init_state(p, batch, n)), policy, drafter))
+    return _varying_axes(lambda n: jax.eval_shape(
+        lambda p, d: (p.init_cache(batch, n), d.init_state(p, batch, n)), policy, drafter), capacity)
+
+
+def _varying_axes(make, n: int) -> list | None:
+    """Per leaf of `make(size)` (shapes): the one axis that differs between sizes n and
+    n + 1, or None (no axis); None overall when a leaf differs in more than one axis."""
     axes = []
-    for a, b in zip(shapes(capacity), shapes(capacity + 1)):
-        diff = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
+    for a, b in zip(jax.tree.leaves(make(n)), jax.tree.leaves(make(n + 1))):
+        diff = [i for i, (m, k) in enumerate(zip(a.shape, b.shape)) if m != k]
         if a.ndim != b.ndim or len(diff) > 1:
             return None
         axes.append(diff[0] if diff else None)
@@ -379,20 +383,14 @@ class _LoopState:
 def _state_row_axes(drafter: Drafter, policy: Policy, batch: int, max_len: int) -> list:
     """Per leaf of the drafter's state: the axis that grows with `init_state`'s batch (a
     per-row leaf), or None (shared by all rows, e.g. a counter)."""
-    shapes = [
-        jax.tree.leaves(jax.eval_shape(lambda d, p, n=n: d.init_state(p, n, max_len), drafter, policy))
-        for n in (batch, batch + 1)
-    ]
-    axes = []
-    for a, b in zip(*shapes):
-        diff = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
-        if a.ndim != b.ndim or len(diff) > 1:
-            raise ValueError(
-                f"{type(drafter).__name__}.init_state: a state leaf of shape {a.shape} at batch "
-                f"{batch} is {b.shape} at batch {batch + 1}; per-row leaves need one batch axis "
-                f"(or give the drafter a refill_state method)"
-            )
-        axes.append(diff[0] if diff else None)
+    axes = _varying_axes(lambda n: jax.eval_shape(
+        lambda d, p: d.init_state(p, n, max_len), drafter, policy), batch)
+    if axes is None:
+        raise ValueError(
+            f"{type(drafter).__name__}.init_state: a state leaf changes in more than one axis "
+            f"between batch {batch} and {batch + 1}; per-row leaves need one batch axis "
+            f"(or give the drafter a refill_state method)"
+        )
     return axes
 
 

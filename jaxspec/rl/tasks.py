@@ -205,6 +205,11 @@ class ArithmeticTask(Task):
         return 0.5 * same / max(len(got), len(want))
 
 
+def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
+    """An int in [lo, hi]: log-uniform on [lo, hi + 1), floored (long-tailed lengths)."""
+    return min(int(lo * ((hi + 1) / lo) ** rng.random()), hi)
+
+
 def _worked_answer_reward(completion: str, want: str, partial_credit: bool) -> float:
     """Reward of a worked completion from its answer after the last ";": 1 when exact;
     with partial_credit, 0.5 * (digits right, aligned at the units) / max(length of both)
@@ -251,8 +256,7 @@ class WorkedAdditionTask(Task):
         self.partial_credit, self.warmup_noise = partial_credit, warmup_noise
 
     def _digits(self, rng: random.Random) -> int:
-        lo, hi = self.min_digits, self.max_digits + 1  # log-uniform on [lo, hi), floored
-        return min(int(lo * (hi / lo) ** rng.random()), self.max_digits)
+        return _log_uniform_int(rng, self.min_digits, self.max_digits)
 
     @staticmethod
     def work(a: str, b: str, wrong_column: int | None = None, error: int = 0) -> str:
@@ -335,8 +339,7 @@ class CountingTask(Task):
         return ",".join(items) + f";{x}"
 
     def _make(self, rng):
-        lo, hi = self.min_count, self.max_count + 1  # log-uniform on [lo, hi), floored
-        n = min(int(lo * (hi / lo) ** rng.random()), self.max_count)
+        n = _log_uniform_int(rng, self.min_count, self.max_count)
         a = rng.randint(0, self.max_number - n)
         return Example(f"{a}+{n}=", str(a + n), self.work(a, n))
 
