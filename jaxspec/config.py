@@ -813,12 +813,6 @@ class Config(_Section):
                               "its resume) would not be reproducible",
                               "'replay' (tokens independent of the drafts), or draft.adaptive_k=false")
         batch = self.rollout.prompts_per_step * self.rollout.group_size
-        slots = self.rollout.slots
-        if slots is not None and slots < batch and d.kind in ("history", "hybrid"):
-            raise ConfigError("rollout.slots", slots,
-                              f"draft.kind {d.kind!r} reads sibling rollouts by batch row, "
-                              f"which refilled slots do not keep",
-                              f"null or >= the {batch} rollouts of a step")
         if batch % self.grpo.minibatches:
             raise ConfigError("grpo.minibatches", self.grpo.minibatches,
                               f"does not divide the {batch} rollouts of a step "

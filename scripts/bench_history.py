@@ -33,6 +33,7 @@ from jaxspec.decoding.engine import generate, pad_prompts
 from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter, prompt_key
 from jaxspec.models import load_hf
 from jaxspec.models.eagle3 import load_eagle3
+from jaxspec.rl.rollouts import leaders_first
 from jaxspec.rl.tasks import make_task
 
 HELDOUT = 1_000_000
@@ -58,6 +59,12 @@ def _parse(argv=None):
     p.add_argument("--hybrid-budget", type=int, default=5, help="hybrid tree nodes")
     p.add_argument("--per-prompt", type=int, default=4, help="stored rollouts per prompt")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--slots", type=int, default=None,
+                   help="rows decoded at once (continuous batching; the rollouts start "
+                        "leaders first, as the trainer starts them); default: all")
+    p.add_argument("--argmax", action="store_true",
+                   help="EAGLE-3 drafts its argmax (draft.coupled: false) instead of drawing "
+                        "with the verifier's noise")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_history.json")
@@ -89,15 +96,19 @@ def main(argv=None):
                                         budget=args.history_budget, **settings)
         hist_h = HistoryDrafter.for_batch(groups, store=store, prompt_keys=keys,
                                           budget=args.hybrid_budget, **settings)
-        chain = Eagle3Drafter(head, k=args.k)
+        chain = Eagle3Drafter(head, k=args.k, coupled=not args.argmax)
         return {"history": hist, "eagle3": chain,
                 "hybrid": HybridDrafter(hist_h, chain, budget=args.hybrid_budget),
                 "ngram": NGramDrafter(k=args.k, min_n=1, max_n=3), "plain": None}
 
+    refill = args.slots is not None and args.slots < n * g
+    start_order = leaders_first(n, g) if refill else None
+
     def run(drafter, batch_prompts, step_key, rows):
         return generate(policy, pad_prompts(batch_prompts, tok.pad_id), drafter=drafter,
                         sampling=sampling, max_new_tokens=args.max_new_tokens, key=step_key,
-                        stop_tokens=stops, rows=rows, pad_id=tok.pad_id)
+                        stop_tokens=stops, rows=rows, pad_id=tok.pad_id, slots=args.slots,
+                        order=start_order)
 
     # compile every drafter on the real shapes (a key never used below)
     first = [e for e in encoded[:n] for _ in range(g)]

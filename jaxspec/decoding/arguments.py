@@ -226,3 +226,16 @@ def check_rows(rows, batch: int):
             f"{array.dtype} and shape {tuple(array.shape)}"
         )
     return array.astype(np.int32) if array.dtype != np.int32 else array
+
+
+def check_order(order, batch: int) -> np.ndarray:
+    """The order in which prompts take slots: a permutation of 0..batch-1 (None: prompt
+    order)."""
+    if order is None:
+        return np.arange(batch, dtype=np.int32)
+    array = np.asarray(order)
+    if array.dtype.kind not in "iu" or array.shape != (batch,) \
+            or not np.array_equal(np.sort(array), np.arange(batch)):
+        raise ValueError(f"order must be a permutation of the {batch} prompt indices 0..{batch - 1}; "
+                         f"got {describe(order)}")
+    return array.astype(np.int32)

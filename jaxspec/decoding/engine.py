@@ -32,7 +32,7 @@ from jaxspec.decoding import arguments as args
 from jaxspec.decoding.adaptive import AdaptiveK, AdaptState, choose_k
 from jaxspec.decoding.arguments import pad_prompts
 from jaxspec.decoding.drafters import NoDrafter
-from jaxspec.decoding.protocols import DraftContext, Drafter, Observation
+from jaxspec.decoding.protocols import DraftContext, Drafter, Finished, Observation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.verify import replay_noise, verify
 from jaxspec.models import KVCache, Policy, compact
@@ -153,6 +153,7 @@ def generate(
     slots: int | None = None,
     adaptive: AdaptiveK | None = None,
     grow_cache: bool | None = None,
+    order=None,  # [B] permutation: the order in which prompts take slots (None: prompt order)
 ) -> Rollouts:
     """Sample continuations of `prompts` from `policy`, speculatively when `drafter` is set.
 
@@ -168,6 +169,9 @@ def generate(
     and when a row finishes the next waiting prompt is prefilled into its slot inside the
     jitted loop. Results come back in prompt order, and since every draw is keyed by
     (key, rollout id, position), a rollout's tokens do not depend on its slot or start step.
+    `order` (a permutation of the prompt indices) sets which prompts start first; e.g.
+    one rollout per group first, so that its siblings, started later, can draft from it
+    (`jaxspec.rl.rollouts.leaders_first`). It changes no token.
 
     `adaptive`: choose the draft length k (0 = plain decoding) before every iteration from
     the measured costs and acceptance (`jaxspec.decoding.adaptive`; build it with
@@ -184,13 +188,13 @@ def generate(
     return _generate(policy, prompts, drafter=drafter, sampling=sampling,
                      max_new_tokens=max_new_tokens, key=key, stop_tokens=stop_tokens,
                      method=method, rows=rows, pad_id=pad_id, slots=slots, adaptive=adaptive,
-                     grow_cache=grow_cache)
+                     grow_cache=grow_cache, order=order)
 
 
 def _generate(
     policy, prompts, *, drafter=None, sampling=None, max_new_tokens, key, stop_tokens=(),
     method="replay", rows=None, pad_id=0, slots=None, adaptive=None, force_k: int = -1,
-    max_iterations: int | None = None, grow_cache: bool | None = None,
+    max_iterations: int | None = None, grow_cache: bool | None = None, order=None,
 ) -> Rollouts:
     """`generate`, plus what `adaptive.measure_costs` needs: `force_k` (an index into
     adaptive.ks used at every iteration; -1: choose) and `max_iterations` (stop the loop
@@ -225,6 +229,10 @@ def _generate(
     args.check_adaptive(adaptive, drafter, policy, method, max_len)
     rows = args.check_rows(rows, batch)
     slots = _check_slots(slots, batch, drafter)
+    order = args.check_order(order, batch)
+    check_prompts = getattr(drafter, "check_prompts", None)  # drafters built for a batch
+    if check_prompts is not None:
+        check_prompts(batch)
 
     tiers = _capacity_tiers(policy, drafter, slots, width, nodes, max_len, grow_cache)
     iteration_cap = 2**31 - 1 if max_iterations is None else max_iterations
@@ -242,6 +250,7 @@ def _generate(
             key,
             jnp.asarray(stops or [-1], jnp.int32),
             jnp.asarray(rows, jnp.int32),
+            jnp.asarray(order, jnp.int32),
             adaptive,
             jnp.asarray(force_k, jnp.int32),
             jnp.asarray(iteration_cap, jnp.int32),
@@ -370,7 +379,7 @@ class _LoopState:
     draft_state: Any
     stats: RolloutStats
     prompt_of: jax.Array  # [slots] int32 the prompt each slot holds (or last held)
-    next_prompt: jax.Array  # [] int32 the first prompt not started yet
+    next_prompt: jax.Array  # [] int32 the place in `order` of the first prompt not started yet
     out_tokens: jax.Array  # [prompts, max_new_tokens] finished rollouts, in prompt order
     out_logprobs: jax.Array  # [prompts, max_new_tokens]
     out_lengths: jax.Array  # [prompts]
@@ -430,6 +439,7 @@ def _generate_jit(
     key,
     stops,  # [num_stops]
     rows,  # [prompts]
+    order,  # [prompts] permutation: prompts take slots in this order
     adaptive,  # AdaptiveK | None
     force_k,  # [] int32 index into adaptive.ks used at every iteration; -1: choose
     max_iterations,  # [] int32 stop after this many iterations
@@ -458,7 +468,7 @@ def _generate_jit(
     if state_in is not None:  # a segment after the first: the grown state of the one before
         state = state_in
     else:
-        first_tokens, first_lengths = prompt_tokens[:batch], prompt_lengths[:batch]
+        first_tokens, first_lengths = prompt_tokens[order[:batch]], prompt_lengths[order[:batch]]
         buffer = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, :width].set(first_tokens)
         # Rows over the batch mesh axes, KV heads over tensor (no-ops outside jax.set_mesh).
         buffer = parallel.constrain(buffer, ("batch", "length"))
@@ -501,7 +511,7 @@ def _generate_jit(
             draft_state=draft_state,
             stats=RolloutStats.zeros(num_prompts, max_depth,
                                      None if adaptive is None else adaptive.max_k),
-            prompt_of=jnp.arange(batch, dtype=jnp.int32),
+            prompt_of=order[:batch],
             next_prompt=jnp.asarray(batch, jnp.int32),
             out_tokens=parallel.constrain(
                 jnp.full((num_prompts, max_new_tokens), pad_id, jnp.int32), ("batch", "length")),
@@ -579,6 +589,8 @@ def _generate_jit(
             rows=slot_rows,
             sequences=s.prompt_of,
             verifier_noise=noise,
+            finished=Finished(prompt_tokens, prompt_lengths, s.out_tokens, s.out_lengths)
+            if refill else None,
         )
         draft_state, pending, pending_prompt, flushed = s.draft_state, s.pending, s.pending_prompt, 0
         st_iter = s.stats.target_forwards
@@ -688,11 +700,11 @@ def _generate_jit(
         (defer_prompts, adaptive k = 0: the drafter's row starts empty and the prompt's
         entries wait in `pending_prompt` for the next draft, so k = 0 pays no drafter work)."""
         free = s.done
-        new_prompt = s.next_prompt + jnp.cumsum(free, dtype=jnp.int32) - 1
-        start = free & (new_prompt < num_prompts)
+        nth = s.next_prompt + jnp.cumsum(free, dtype=jnp.int32) - 1  # places in `order`
+        start = free & (nth < num_prompts)
         n_start = jnp.sum(start, dtype=jnp.int32)
-        prompt_of = jnp.where(start, new_prompt, s.prompt_of)
-        order = jnp.argsort(~start, stable=True).astype(jnp.int32)  # started slots first
+        prompt_of = jnp.where(start, order[jnp.minimum(nth, num_prompts - 1)], s.prompt_of)
+        started_first = jnp.argsort(~start, stable=True).astype(jnp.int32)
 
         pending_prompt = s.pending_prompt
         if pending_prompt is not None:  # a new rollout's row: the old one's deferred prompt goes
@@ -701,7 +713,7 @@ def _generate_jit(
 
         def prefill_one(i, carry):
             cache, draft_state, pending_prompt = carry
-            slot = order[i]
+            slot = started_first[i]
             p = prompt_of[slot]
             toks = jax.lax.dynamic_slice_in_dim(prompt_tokens, p, 1, axis=0)  # [1, width]
             pos = jnp.arange(width, dtype=jnp.int32)[None, :]

@@ -5,9 +5,13 @@ and the rollouts of one prompt share long stretches. `HistoryDrafter` drafts, fo
 the continuations that followed the row's current suffix (the longest n = max_n..min_n that
 occurs) in two sources:
 
-- the in-flight rollouts of its group (its siblings, itself included): the engine's token
-  buffer, which the jitted loop updates after every verify step, so a sibling's freshly
-  committed tokens are visible at the next proposal (a finished sibling stays visible);
+- the rollouts of its group in this `generate` call (its siblings, itself included): a
+  sibling in a row of the batch is read from the engine's token buffer, which the jitted
+  loop updates after every verify step, so its freshly committed tokens are visible at the
+  next proposal; with continuous batching a sibling that finished and left its row is read
+  from the call's outputs (`DraftContext.finished`), and one not started yet is empty. The
+  trainer starts one sample of every prompt first (`jaxspec.rl.rollouts.leaders_first`), so
+  the later samples have a sibling ahead of them to draft from;
 - the finished rollouts of the same prompt from earlier steps: `HistoryStore`, a ring of
   `per_prompt` sequences for each of `prompts` prompt slots, updated by the trainer after
   each step (host side) and saved with the run's checkpoint.
@@ -149,19 +153,38 @@ class HistoryStore:
 
 
 def _candidates(drafter: HistoryDrafter, ctx: DraftContext):
-    """-> (tokens [B, C, W], lengths [B, C]): the row's siblings' buffers, then its prompt's
-    stored sequences, padded to one width."""
+    """-> (tokens [B, C, W], lengths [B, C]): the row's group members (itself included) as
+    far as they have gone, then its prompt's stored sequences, padded to one width.
+
+    A member in a row of the batch is read from the engine's token buffer; one that has
+    left its row (continuous batching: finished, its row refilled) from `ctx.finished`; one
+    not started yet is empty."""
     buf, lengths = ctx.buffer, ctx.lengths
-    sib = drafter.siblings
-    sib_tok = buf[jnp.maximum(sib, 0)]  # [B, G, Wb]
-    sib_len = jnp.where(sib >= 0, lengths[jnp.maximum(sib, 0)], 0)
-    store, slot = drafter.store, drafter.slots
+    batch = buf.shape[0]
+    held = jnp.arange(batch, dtype=jnp.int32) if ctx.sequences is None else ctx.sequences
+    members = drafter.siblings[held]  # [B, G] prompt indices of the row's group, -1 pad
+    member = jnp.maximum(members, 0)
+    row_of = jnp.full((drafter.siblings.shape[0],), -1, jnp.int32).at[held].set(
+        jnp.arange(batch, dtype=jnp.int32))  # the row holding each prompt, -1: none
+    row = jnp.where(members >= 0, row_of[member], -1)
+    sib_tok = buf[jnp.maximum(row, 0)]  # [B, G, Wb]
+    sib_len = jnp.where(row >= 0, lengths[jnp.maximum(row, 0)], 0)
+    store, slot = drafter.store, drafter.slots[held]
     hist_tok = store.tokens[jnp.maximum(slot, 0)]  # [B, R, Ws]
     hist_len = jnp.where(slot[:, None] >= 0, store.lengths[jnp.maximum(slot, 0)], 0)
-    width = max(buf.shape[1], store.width)
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2])))  # noqa: E731
-    return (jnp.concatenate([pad(sib_tok), pad(hist_tok)], axis=1),
+    if ctx.finished is not None:  # members that left their rows (or have not started: empty)
+        done_tok, done_len = ctx.finished.sequences(member)  # [B, G, Wf]
+        width = max(sib_tok.shape[2], done_tok.shape[2])
+        live = (row >= 0)[..., None]
+        sib_tok = jnp.where(live, _pad_to(sib_tok, width), _pad_to(done_tok, width))
+        sib_len = jnp.where(row >= 0, sib_len, jnp.where(members >= 0, done_len, 0))
+    width = max(sib_tok.shape[2], store.width)
+    return (jnp.concatenate([_pad_to(sib_tok, width), _pad_to(hist_tok, width)], axis=1),
             jnp.concatenate([sib_len, hist_len], axis=1))
+
+
+def _pad_to(x, width: int):  # [B, C, W] -> [B, C, width] zero-padded
+    return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2])))
 
 
 def lookup(drafter: HistoryDrafter, ctx: DraftContext):
@@ -192,10 +215,14 @@ def lookup(drafter: HistoryDrafter, ctx: DraftContext):
         found = jnp.any(ok, axis=(1, 2))
         best = jnp.where(found[:, None, None], ok, best)  # longer n overrides shorter
         best_n = jnp.where(found, n, best_n)
-    flat = best.reshape(batch, -1)
-    order = jnp.where(flat, -jnp.arange(flat.shape[1], dtype=jnp.int32)[None, :], -(2**30))
-    score, where = jax.lax.top_k(order, m)  # the first m matches
-    hit = score > -(2**30)
+    # The first m matches: the j-th sits where the running count of matches reaches j + 1,
+    # i.e. after every position whose count is below j + 1 (one compare-and-count, no sort:
+    # a top_k here was a full sort of rows x candidates x width on CPU).
+    rank = jnp.cumsum(best.reshape(batch, -1), axis=1, dtype=jnp.int32)  # [B, C*W]
+    nth = jnp.arange(1, m + 1, dtype=jnp.int32)
+    where = jnp.sum(rank[:, None, :] < nth[None, :, None], axis=2, dtype=jnp.int32)  # [B, m]
+    hit = nth[None, :] <= rank[:, -1:]
+    where = jnp.where(hit, where, 0)
     c_idx, e_idx = where // width, where % width
     steps = e_idx[..., None] + 1 + jnp.arange(k)[None, None, :]  # [B, M, k]
     seqs = cand[jnp.arange(batch)[:, None], c_idx]  # [B, M, W]
@@ -280,8 +307,10 @@ class HistoryDrafter(_ModelFree):
     """
 
     store: HistoryStore
-    siblings: jax.Array  # [B, G] int32 rows of each row's group (itself included), -1 pad
-    slots: jax.Array  # [B] int32 the store slot of each row's prompt, -1: none
+    # [N, G] int32 for each of generate's N prompts, the prompts of its group (itself
+    # included), -1 pad
+    siblings: jax.Array
+    slots: jax.Array  # [N] int32 the store slot of each prompt, -1: none
     k: int = dataclasses.field(default=4, metadata=dict(static=True))  # draft depth
     budget: int = dataclasses.field(default=4, metadata=dict(static=True))  # tree nodes
     min_n: int = dataclasses.field(default=1, metadata=dict(static=True))
@@ -300,8 +329,10 @@ class HistoryDrafter(_ModelFree):
     @classmethod
     def for_batch(cls, groups, *, store: HistoryStore | None = None, prompt_keys=None,
                   **settings) -> HistoryDrafter:
-        """groups: [B] int group id of each row (rows of one prompt share one);
-        prompt_keys: [B] int `prompt_key` of each row's prompt (None: no stored history)."""
+        """groups: [N] int group id of each of generate's prompts (the G samples of one
+        prompt share one); prompt_keys: [N] int `prompt_key` of each (None: no stored
+        history). The drafter serves a `generate` call on these N prompts, in any number of
+        slots (continuous batching: a member that finished is read from the call's outputs)."""
         groups = np.asarray(groups)
         if groups.ndim != 1 or groups.size == 0:
             raise ValueError(f"groups must be a non-empty [batch] array of group ids; got "
@@ -320,7 +351,12 @@ class HistoryDrafter(_ModelFree):
     num_nodes = property(lambda self: self.budget)
     max_depth = property(lambda self: self.k)
     supports_rejection = False
-    supports_refill = False  # siblings are batch rows: generate(slots=) is refused
+
+    def check_prompts(self, n: int) -> None:
+        if n != self.siblings.shape[0]:
+            raise ValueError(f"{type(self).__name__} was built for {self.siblings.shape[0]} "
+                             f"prompts; generate got {n} (build it with for_batch on these "
+                             f"prompts)")
 
     def check_compatible(self, policy) -> None:
         vocab = policy.config.vocab_size
@@ -330,9 +366,6 @@ class HistoryDrafter(_ModelFree):
                              f"has {vocab} ids (store rollouts of this policy's tokenizer)")
 
     def init_state(self, policy, batch, max_len):
-        if batch != self.siblings.shape[0]:
-            raise ValueError(f"HistoryDrafter was built for {self.siblings.shape[0]} rows; "
-                             f"the batch has {batch} (build it with for_batch on this batch)")
         return None
 
     def pool(self, ctx: DraftContext):
@@ -434,7 +467,7 @@ class HybridDrafter:
     capture_layers = property(lambda self: self.head.capture_layers)
     uses_verifier_noise = property(lambda self: self.head.uses_verifier_noise)  # the head's chain
     supports_rejection = False
-    supports_refill = False  # its history part reads sibling rows by batch position
+    check_prompts = property(lambda self: self.history.check_prompts)
     forwards_per_propose = property(lambda self: self.head.forwards_per_propose)
     forwards_per_observe = property(lambda self: self.head.forwards_per_observe)
 

@@ -17,6 +17,30 @@ from jaxspec.decoding.sampling import SamplingConfig, slot_keys
 from jaxspec.decoding.tree import Tree
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Every rollout of this `generate` call as far as it has left its slot (continuous
+    batching): finished rollouts whole, others empty (length 0) or, after a cache growth,
+    as far as they had gone. Indexed by prompt (generate's prompt axis)."""
+
+    prompt_tokens: jax.Array  # [prompts, P] int32 right-padded prompts
+    prompt_lengths: jax.Array  # [prompts] int32
+    tokens: jax.Array  # [prompts, T] int32 generated tokens
+    lengths: jax.Array  # [prompts] int32 generated count (0: none harvested)
+
+    def sequences(self, index):  # index [...] int prompt indices (>= 0)
+        """-> (prompt + generated tokens [..., P + T] right-padded, their lengths [...]; 0
+        where nothing was harvested)."""
+        p = self.prompt_tokens.shape[1]
+        both = jnp.concatenate([self.prompt_tokens[index], self.tokens[index]], axis=-1)
+        plen, n = self.prompt_lengths[index], self.lengths[index]
+        j = jnp.arange(both.shape[-1], dtype=jnp.int32)
+        src = jnp.where(j < plen[..., None], j, p + j - plen[..., None])
+        seq = jnp.take_along_axis(both, jnp.clip(src, 0, both.shape[-1] - 1), axis=-1)
+        return seq, jnp.where(n > 0, plen + n, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftContext:
     """What the engine tells a drafter at each proposal (lives inside one trace only)."""
@@ -39,6 +63,9 @@ class DraftContext:
     # than its argmax does at temperature > 0. Lossless: under replay the emitted tokens are the
     # plain sampler's whatever the draft.
     verifier_noise: jax.Array | None = None
+    # the call's rollouts that have left their slots (only with continuous batching: a
+    # drafter may read a finished rollout, e.g. a sibling of the same prompt); None otherwise
+    finished: Finished | None = None
 
     @property
     def root(self) -> jax.Array:  # [B]

@@ -150,6 +150,17 @@ def prompt_keys(prompts, lengths) -> np.ndarray:  # [B, P], [B] -> [B] int64
                      zip(np.asarray(prompts), np.asarray(lengths))], np.int64)
 
 
+def leaders_first(num_groups: int, group_size: int) -> np.ndarray:  # -> [num_groups * group_size]
+    """The order in which a step's rollouts (group-major: prompt i's samples at rows
+    i*G .. i*G+G-1) take the decoding slots: the first sample of every prompt, then the
+    second of every prompt, and so on. With fewer slots than rollouts, the later samples of
+    a prompt start after its first one has gone ahead (or finished), so group-aware drafts
+    (draft.kind history / hybrid) have a sibling to draft from. It changes no token:
+    every draw is keyed by rollout id and position."""
+    return np.arange(num_groups * group_size, dtype=np.int32).reshape(
+        num_groups, group_size).T.reshape(-1)
+
+
 def _speculates(drafter) -> bool:
     return drafter.num_nodes > 0
 
@@ -211,7 +222,9 @@ class RolloutWorker:
         return dict(rows=np.arange(self.batch_size, dtype=np.int32) + step * self.batch_size,
                     key=jax.random.fold_in(key, step), sampling=self.sampling,
                     max_new_tokens=r.max_new_tokens, stop_tokens=tuple(self.tokenizer.eos_ids),
-                    method=r.method, pad_id=self.tokenizer.pad_id, slots=r.slots)
+                    method=r.method, pad_id=self.tokenizer.pad_id, slots=r.slots,
+                    order=(leaders_first(r.prompts_per_step, r.group_size)
+                           if r.slots is not None and r.slots < self.batch_size else None))
 
     def generate(self, policy, drafter, key, step: int, prompts, lengths):
         """The rollouts of `step`: rollout ids step*B .. step*B + B-1, key fold_in(key, step)."""

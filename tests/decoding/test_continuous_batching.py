@@ -138,9 +138,14 @@ def test_bad_slots_fail_before_compiling(setup):
     for bad in (0, -2, 2.0, True, "3"):
         with pytest.raises(ValueError, match="slots must be an int >= 1"):
             generate(policy, prompts, max_new_tokens=4, key=KEY, slots=bad)
-    history = HistoryDrafter.for_batch(np.arange(len(prompts)) // 2, k=2, budget=2)
-    with pytest.raises(ValueError, match="HistoryDrafter cannot refill slots"):
+    history = HistoryDrafter.for_batch(np.arange(len(prompts) + 1) // 2, k=2, budget=2)
+    with pytest.raises(ValueError, match=f"built for {len(prompts) + 1} prompts; generate got "
+                                         f"{len(prompts)}"):
         generate(policy, prompts, drafter=history, max_new_tokens=4, key=KEY, slots=2)
+    n = len(prompts)
+    for bad in ([0] * n, list(range(n - 1)), np.arange(n) + 1, np.arange(n) * 1.0):
+        with pytest.raises(ValueError, match="order must be a permutation"):
+            generate(policy, prompts, max_new_tokens=4, key=KEY, slots=2, order=bad)
 
 
 def test_refilled_rollouts_follow_the_policy_joint_law():
@@ -182,5 +187,4 @@ def test_config_rollout_slots():
     assert load_config(tiny, []).rollout.slots is None
     with pytest.raises(ConfigError, match="rollout.slots.*out of range"):
         load_config(tiny, ["rollout.slots=0"])
-    with pytest.raises(ConfigError, match="draft.kind 'history' reads sibling rollouts"):
-        load_config(tiny, ["draft.kind=history", "rollout.slots=4"])
+    assert load_config(tiny, ["draft.kind=history", "rollout.slots=4"]).rollout.slots == 4
