@@ -99,12 +99,31 @@ class Task(abc.ABC):
     name = "task"
     tokenizer: CharTokenizer | None = None  # None: the policy's own (HF) tokenizer
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, dataset_size: int | None = None):
         self.seed = int(seed)
+        if dataset_size is not None and (not isinstance(dataset_size, int)
+                                         or isinstance(dataset_size, bool) or dataset_size < 1):
+            raise ValueError(f"dataset_size must be an int >= 1 or None; got {dataset_size!r}")
+        self.dataset_size = dataset_size
+        self._order: tuple[int, list[int]] | None = None
 
     def example(self, index: int) -> Example:
-        """The prompt at data position `index` (a pure function of seed and index)."""
+        """The prompt at data position `index` (a pure function of seed and index). With a
+        dataset_size, positions visit that many fixed prompts in a fresh seeded order every
+        epoch, as RL visits a finite dataset; without, every position draws a new one."""
+        if self.dataset_size is not None:
+            index = self._epoch_item(index, self.dataset_size, "dataset-epoch")
         return self._make(_rng(self.seed, "rl", index))
+
+    def _epoch_item(self, position: int, n: int, tag: str) -> int:
+        """The item (0..n-1) at data `position` when n items are visited in a fresh seeded
+        order every epoch."""
+        epoch, offset = divmod(position, n)
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(n))
+            _rng(self.seed, tag, epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1][offset]
 
     def batch(self, position: int, n: int) -> list[Example]:
         """Prompts at data positions [position, position + n); the next position is
@@ -305,13 +324,15 @@ class CountingTask(Task):
     max(length of both) for a well-formed number; 0 without a ";". With probability
     warmup_noise a warm-up target miscounts once (at a random item the number steps by 0
     or 2 instead of 1, and counting goes on from there), so the warmed-up policy miscounts
-    now and then and RL can remove it."""
+    now and then and RL can remove it. dataset_size: a fixed set of that many prompts,
+    visited in a fresh order every epoch (None: a new prompt at every position)."""
 
     name = "counting"
 
     def __init__(self, seed: int = 0, max_count: int = 24, min_count: int = 2,
-                 max_number: int = 99, partial_credit: bool = True, warmup_noise: float = 0.3):
-        super().__init__(seed)
+                 max_number: int = 99, partial_credit: bool = True, warmup_noise: float = 0.3,
+                 dataset_size: int | None = None):
+        super().__init__(seed, dataset_size)
         for key, value in (("min_count", min_count), ("max_count", max_count),
                            ("max_number", max_number)):
             if not isinstance(value, int) or isinstance(value, bool):
@@ -531,18 +552,12 @@ class JsonlTask(Task):
         self.path = path
         self.examples = load_jsonl(path)
         self.shuffle = shuffle
-        self._order: tuple[int, list[int]] | None = None
 
     def _index(self, position: int) -> int:
         n = len(self.examples)
-        epoch, offset = divmod(position, n)
         if not self.shuffle:
-            return offset
-        if self._order is None or self._order[0] != epoch:
-            order = list(range(n))
-            _rng(self.seed, "jsonl-epoch", epoch).shuffle(order)
-            self._order = (epoch, order)
-        return self._order[1][offset]
+            return position % n
+        return self._epoch_item(position, n, "jsonl-epoch")
 
     def example(self, index):
         return self.examples[self._index(index)]

@@ -194,6 +194,25 @@ def test_jsonl_epochs_visit_every_example_in_seeded_order(tmp_path):
     assert [e.prompt for e in plain.batch(5, 4)] == ["q5", "q6", "q0", "q1"]
 
 
+def test_a_generated_task_with_a_dataset_size_visits_fixed_prompts_in_epochs():
+    """dataset_size n: positions visit the same n prompts every epoch (each once per epoch,
+    in a new seeded order), as RL visits a finite dataset; None draws a new prompt at every
+    position. The n prompts are the stream's items 0..n-1."""
+    n = 6
+    task = make_task("counting", seed=3, dataset_size=n)
+    stream = make_task("counting", seed=3)
+    items = sorted(e.prompt for e in stream.batch(0, n))
+    epochs = [[e.prompt for e in task.batch(i * n, n)] for i in range(3)]
+    assert all(sorted(ep) == items for ep in epochs)
+    assert epochs[0] != epochs[1] or epochs[1] != epochs[2]  # reshuffled (seeded)
+    again = make_task("counting", seed=3, dataset_size=n)
+    assert [e.prompt for e in again.batch(4, 7)] == (epochs[0] + epochs[1])[4:11]
+    assert len({e.prompt for e in stream.batch(0, 40)}) > n  # the default keeps drawing
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="dataset_size must be an int >= 1"):
+            make_task("counting", dataset_size=bad)
+
+
 def test_jsonl_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_jsonl(tmp_path / "missing.jsonl")
