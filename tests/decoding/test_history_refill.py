@@ -149,3 +149,111 @@ def test_lookup_reads_rows_and_finished_members(seed):
     # with several suffix lengths
     assert sources["row"] >= 2 and sources["finished"] >= 2, sources
     assert len(set(n.tolist())) >= 2
+
+
+# --------------------------------------------------------------------------- the engine
+
+# Two prompts, three samples each (group-major, as the trainer lays out a step).
+PROMPTS = [[5, 9, 13, 5]] * 3 + [[77, 3]] * 3
+GROUPS = [0, 0, 0, 1, 1, 1]
+ROWS = 100 + np.arange(len(PROMPTS), dtype=np.int32)  # global rollout ids
+ORDER = leaders_first(2, 3)  # [0, 3, 1, 4, 2, 5]
+MAX_NEW = 12
+STOPS = (48, 107)  # ragged lengths: some rows stop early, some run to the budget
+KEY = jax.random.key(11)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """A tiny random policy with its weights scaled up: its greedy continuations do not
+    repeat one token (the unscaled one's do), so a draft that follows them is informative."""
+    policy = Policy.init(ModelConfig.tiny("qwen3", num_layers=2), jax.random.key(0))
+    return dataclasses.replace(policy, params=jax.tree.map(lambda x: 4.0 * x, policy.params))
+
+
+@pytest.fixture(scope="module")
+def plain(policy):
+    """Plain decoding of PROMPTS at temperatures 0 and 1 (no drafter, no slots)."""
+    return {t: generate(policy, PROMPTS, sampling=SamplingConfig(temperature=t),
+                        max_new_tokens=MAX_NEW, key=KEY, rows=ROWS, stop_tokens=STOPS)
+            for t in (0.0, 1.0)}
+
+
+@pytest.fixture(scope="module")
+def drafters(policy):
+    """History (with a store of earlier rollouts of the prompts) and hybrid drafters."""
+    earlier = generate(policy, PROMPTS, sampling=SamplingConfig(temperature=1.0),
+                       max_new_tokens=MAX_NEW, key=jax.random.key(5), rows=ROWS)
+    width = 4 + MAX_NEW
+    done = [list(p) + np.asarray(t)[:n].tolist()  # prompt + its (unstopped) rollout
+            for p, t, n in zip(PROMPTS, earlier.tokens, earlier.lengths)][::2]
+    keys = [prompt_key(p) for p in PROMPTS]
+    store = HistoryStore.empty(2, 2, width).add(
+        keys[::2], [seq + [0] * (width - len(seq)) for seq in done], [len(seq) for seq in done])
+    history = HistoryDrafter.for_batch(GROUPS, store=store, prompt_keys=keys, k=3, budget=5)
+    head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
+    return {"history": history,
+            "hybrid": HybridDrafter(history, Eagle3Drafter(head, k=2), budget=6)}
+
+
+@pytest.mark.parametrize("slots", [1, 2, None])
+@pytest.mark.parametrize("kind", ["history", "hybrid"])
+def test_refilled_drafts_equal_plain(policy, plain, drafters, kind, slots):
+    """Leaders first in `slots` slots (None: all rows, in the permuted order): tokens,
+    lengths and log-probs of plain decoding, at temperature 0 and 1 (replay)."""
+    for temperature, ref in plain.items():
+        out = generate(policy, PROMPTS, drafter=drafters[kind],
+                       sampling=SamplingConfig(temperature=temperature), max_new_tokens=MAX_NEW,
+                       key=KEY, rows=ROWS, stop_tokens=STOPS, slots=slots, order=ORDER)
+        np.testing.assert_array_equal(out.lengths, ref.lengths)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(out.stats.tokens_generated, ref.lengths)
+        if temperature == 0.0 and slots is not None:  # identical greedy samples, started
+            assert out.stats.acceptance_length > 1.5  # after a sibling: drafts from it
+    lengths = np.asarray(plain[1.0].lengths)
+    assert len(set(lengths.tolist())) >= 3 and lengths.max() == MAX_NEW  # ragged
+
+
+def _greedy_followers(policy, k):
+    """Greedy, one slot, leaders first, no stop: -> (plain, speculative) Rollouts."""
+    kw = dict(sampling=SamplingConfig(temperature=0.0), max_new_tokens=MAX_NEW, key=KEY,
+              rows=ROWS)
+    drafter = HistoryDrafter.for_batch(GROUPS, k=k, budget=k)  # one chain, no store
+    return (generate(policy, PROMPTS, **kw),
+            generate(policy, PROMPTS, drafter=drafter, slots=1, order=ORDER, **kw))
+
+
+def test_followers_draft_from_their_finished_leader(policy, monkeypatch):
+    """Identical greedy samples in one slot, leaders first: each follower starts after its
+    leader finished and drafts from it (its only source besides itself), so every draft is
+    accepted: ceil(L / (k + 1)) forwards for L tokens. Negative control: with the finished
+    rollouts hidden, a follower drafts from itself alone, exactly as its leader did (same
+    forwards), far more than that."""
+    k = 4
+    plain, out = _greedy_followers(policy, k)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    tokens, lengths = np.asarray(plain.tokens), np.asarray(plain.lengths)
+    assert np.all(lengths == MAX_NEW)
+    for leader in (0, 3):  # the followers' completions are the leader's
+        np.testing.assert_array_equal(tokens[leader + 1:leader + 3], tokens[[leader] * 2])
+        assert len(set(tokens[leader].tolist())) >= MAX_NEW - 2  # not one repeated token
+    steps = np.asarray(out.stats.row_steps)
+    followers, leaders = [1, 2, 4, 5], [0, 0, 3, 3]
+    np.testing.assert_array_equal(steps[followers], math.ceil(MAX_NEW / (k + 1)))
+    assert np.all(steps[[0, 3]] >= MAX_NEW - 3)  # a leader has nothing ahead of it
+
+    # The same run with every finished rollout hidden (as if generated nothing).
+    jax.clear_caches()  # retrace the loop with the patched method
+    seqs = Finished.sequences
+    monkeypatch.setattr(Finished, "sequences",
+                        lambda self, index: (seqs(self, index)[0], 0 * seqs(self, index)[1]))
+    try:
+        _, hidden = _greedy_followers(policy, k)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # no later call may reuse the patched trace
+    np.testing.assert_array_equal(hidden.tokens, plain.tokens)
+    hidden_steps = np.asarray(hidden.stats.row_steps)
+    np.testing.assert_array_equal(hidden_steps[followers], steps[leaders])
+    assert hidden.stats.acceptance_length < 0.6 * out.stats.acceptance_length
