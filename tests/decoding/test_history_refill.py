@@ -21,6 +21,7 @@ from test_history import _reference_tree, _tree_paths
 
 from jaxspec.decoding import SamplingConfig, generate
 from jaxspec.decoding.drafters import Eagle3Drafter
+from jaxspec.decoding.engine import _capacity_tiers
 from jaxspec.decoding.history import (
     HistoryDrafter,
     HistoryStore,
@@ -257,3 +258,22 @@ def test_followers_draft_from_their_finished_leader(policy, monkeypatch):
     hidden_steps = np.asarray(hidden.stats.row_steps)
     np.testing.assert_array_equal(hidden_steps[followers], steps[leaders])
     assert hidden.stats.acceptance_length < 0.6 * out.stats.acceptance_length
+
+
+def test_drafts_survive_a_cache_growth(policy):
+    """Rollouts longer than the first cache tier (64 slots: the loop state grows mid-call,
+    harvesting and restoring the rows): the same tokens as plain decoding and the same
+    forwards per rollout, so the same drafts, as with the full cache from the start."""
+    kw = dict(sampling=SamplingConfig(temperature=0.0), max_new_tokens=140, key=KEY, rows=ROWS)
+    plain = generate(policy, PROMPTS, **kw)
+    drafter = HistoryDrafter.for_batch(GROUPS, k=4, budget=6)
+    # the case grows: a 64-slot cache first, then prompt width 4 + 140
+    assert _capacity_tiers(policy, drafter, 1, 4, 6, 4 + 140, True) == [64, 144]
+    grown, full = (generate(policy, PROMPTS, drafter=drafter, slots=1, order=ORDER,
+                            grow_cache=grow, **kw) for grow in (True, False))
+    for out in (grown, full):
+        np.testing.assert_array_equal(out.tokens, plain.tokens)
+        np.testing.assert_array_equal(out.lengths, plain.lengths)
+    np.testing.assert_array_equal(grown.stats.row_steps, full.stats.row_steps)
+    steps = np.asarray(full.stats.row_steps)
+    assert np.all(steps[[1, 2, 4, 5]] < steps[[0, 0, 3, 3]] / 3)  # followers draft from leaders
