@@ -16,6 +16,7 @@ from jaxspec.config import ConfigError, load_config
 from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.rl import cluster
 from jaxspec.rl.rollouts import make_drafter, prompt_keys
 from jaxspec.rl.trainer import GRPOTrainer
 
@@ -113,3 +114,26 @@ def test_history_depth_apart_from_the_head_chain():
     head = Eagle3Head.init_for(policy, 32, jax.random.key(1))
     drafter = make_drafter(cfg.draft, None, head, groups=[0, 0])
     assert (drafter.head.k, drafter.history.k, drafter.max_depth, drafter.num_nodes) == (3, 6, 6, 7)
+
+
+def test_history_run_with_fewer_slots_than_rollouts(tmp_path, monkeypatch):
+    """rollout.slots < the step's 8 rollouts with draft.kind history: generate gets the
+    leaders first (each prompt's first sample, then its second, ...) and the rollouts equal
+    plain decoding at every step (replay_identical), the store filling as without slots."""
+    calls = []
+
+    def spy(policy, prompts, **kwargs):
+        if isinstance(kwargs.get("drafter"), HistoryDrafter):
+            calls.append((kwargs["slots"], np.asarray(kwargs["order"]).tolist()))
+        return generate(policy, prompts, **kwargs)
+
+    generate = cluster.generate
+    monkeypatch.setattr(cluster, "generate", spy)  # the name Cluster.generate calls
+    trainer = GRPOTrainer(make_config(tmp_path, "draft.kind=history", "rollout.slots=3",
+                                      "run.steps=2"))
+    trainer.run()
+    # the compile call, then the 2 steps' (prompts 0 and 1, 4 samples each)
+    assert calls == [(3, [0, 4, 1, 5, 2, 6, 3, 7])] * 3
+    out = rows(tmp_path)
+    assert [r["replay_identical"] for r in out] == [1.0, 1.0]
+    assert out[-1]["history/rollouts"] == 8 and trainer.state.history.size() == 8
