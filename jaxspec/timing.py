@@ -13,16 +13,22 @@ import time
 import jax
 
 
-def interleaved(fns: dict, rounds: int, *, warmup: bool = False) -> dict:
-    """{name: [seconds of round 1, round 2, ...]}: each fn called once per round, in order.
+def interleaved(fns: dict, rounds: int, *, warmup: bool = False, rotate: bool = True) -> dict:
+    """{name: [seconds of round 1, round 2, ...]}: each fn called once per round.
 
-    warmup=True calls every fn once first (compiles); otherwise the caller has."""
+    rotate=True starts round r at the (r mod n)-th fn, so that no fn always runs first (or
+    right after the same one): on this CPU a fixed order alone moved the ratio of two calls
+    of one program by 2-3%. warmup=True calls every fn once first (compiles); otherwise the
+    caller has."""
     if warmup:
         for fn in fns.values():
             jax.block_until_ready(fn())
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            fn = fns[name]
             start = time.perf_counter()
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - start)
