@@ -207,7 +207,8 @@ def test_deferred_observation_equals_step_by_step(setup):
 class _Recorder:
     """A network-like drafter (one forward per observe, so adaptive k = 0 defers its
     observations) that drafts junk and checks, at every draft, that its row has observed
-    exactly the committed entries 0..lengths - 2, each once, in position order."""
+    exactly the committed entries 0..lengths - 2, each once, in position order, each with
+    the token fed there and the one that followed it (read against the engine's buffer)."""
 
     k: int = dataclasses.field(default=3, metadata=dict(static=True))
     capture_layers = ()
@@ -225,21 +226,28 @@ class _Recorder:
 
     def init_state(self, policy, batch, max_len):
         return dict(seen=jnp.zeros((batch, max_len), bool), last=jnp.full((batch,), -1, jnp.int32),
+                    fed=jnp.zeros((batch, max_len), jnp.int32), next=jnp.zeros((batch, max_len), jnp.int32),
                     ok=jnp.asarray(True), drafts=jnp.zeros((), jnp.int32))
 
     def observe(self, state, policy, obs):
-        ok, last, seen = state["ok"], state["last"], state["seen"]
+        ok, last, seen, fed, nxt = state["ok"], state["last"], state["seen"], state["fed"], state["next"]
+        rows = jnp.arange(obs.positions.shape[0])
         for j in range(obs.positions.shape[1]):  # entries in order; padding (< 0) skipped
             p = obs.positions[:, j]
             valid = p >= 0
             ok &= jnp.all(~valid | (p > last))
             last = jnp.where(valid, p, last)
-            seen = seen.at[jnp.arange(p.shape[0]), jnp.where(valid, p, seen.shape[1])].set(True, mode="drop")
-        return dict(state, seen=seen, last=last, ok=ok)
+            at = jnp.where(valid, p, seen.shape[1])
+            seen = seen.at[rows, at].set(True, mode="drop")
+            fed = fed.at[rows, at].set(obs.fed_tokens[:, j], mode="drop")
+            nxt = nxt.at[rows, at].set(obs.next_tokens[:, j], mode="drop")
+        return dict(state, seen=seen, last=last, fed=fed, next=nxt, ok=ok)
 
     def propose(self, state, policy, ctx):
         want = jnp.arange(state["seen"].shape[1])[None, :] < (ctx.lengths - 1)[:, None]
         ok = state["ok"] & jnp.all(state["seen"] == want)
+        ok &= jnp.all(~want | (state["fed"] == ctx.buffer))  # entry p fed buffer[p] ...
+        ok &= jnp.all(~want | (state["next"] == jnp.roll(ctx.buffer, -1, axis=1)))  # ... then p + 1
         tokens = jnp.zeros((ctx.lengths.shape[0], self.k), jnp.int32)
         return Tree.chain(tokens), None, dict(state, ok=ok, drafts=state["drafts"] + 1)
 
@@ -334,3 +342,4 @@ def test_bad_adaptive_fails_before_compiling(setup):
     with pytest.raises(ValueError, match="depths 1..3; k=5"):
         generate(policy, prompts, drafter=setup["drafters"]["oracle"],
                  adaptive=AdaptiveK(jnp.ones(3), ks=(0, 1, 5)), **common)
+
