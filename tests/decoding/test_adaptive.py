@@ -230,17 +230,19 @@ class _Recorder:
                     ok=jnp.asarray(True), drafts=jnp.zeros((), jnp.int32))
 
     def observe(self, state, policy, obs):
-        ok, last, seen, fed, nxt = state["ok"], state["last"], state["seen"], state["fed"], state["next"]
-        rows = jnp.arange(obs.positions.shape[0])
-        for j in range(obs.positions.shape[1]):  # entries in order; padding (< 0) skipped
-            p = obs.positions[:, j]
-            valid = p >= 0
-            ok &= jnp.all(~valid | (p > last))
-            last = jnp.where(valid, p, last)
-            at = jnp.where(valid, p, seen.shape[1])
-            seen = seen.at[rows, at].set(True, mode="drop")
-            fed = fed.at[rows, at].set(obs.fed_tokens[:, j], mode="drop")
-            nxt = nxt.at[rows, at].set(obs.next_tokens[:, j], mode="drop")
+        p = obs.positions  # [B, M] entries in order; padding (< 0) skipped
+        valid = p >= 0
+        # each valid entry lies past every entry observed before it (this call's and earlier)
+        running = jax.lax.cummax(jnp.where(valid, p, -1), axis=1)
+        before = jnp.maximum(state["last"][:, None], jnp.pad(running[:, :-1], ((0, 0), (1, 0)),
+                                                                 constant_values=-1))
+        ok = state["ok"] & jnp.all(~valid | (p > before))
+        last = jnp.maximum(state["last"], running[:, -1])
+        rows = jnp.arange(p.shape[0])[:, None]
+        at = jnp.where(valid, p, state["seen"].shape[1])
+        seen = state["seen"].at[rows, at].set(True, mode="drop")
+        fed = state["fed"].at[rows, at].set(obs.fed_tokens, mode="drop")
+        nxt = state["next"].at[rows, at].set(obs.next_tokens, mode="drop")
         return dict(state, seen=seen, last=last, fed=fed, next=nxt, ok=ok)
 
     def propose(self, state, policy, ctx):

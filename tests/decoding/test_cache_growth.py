@@ -50,7 +50,7 @@ def _drafters(s):
         "draft_model": (DraftModelDrafter(s["small"], k=2), None, None),
         "eagle3_refill": (Eagle3Drafter(s["head"], k=3), 2, None),
         "eagle3_adaptive_refill": (Eagle3Drafter(s["head"], k=3, coupled=False), 2,
-                                   AdaptiveK(jnp.array([1.0, 1.5, 1.9, 2.4]), probe_every=4)),
+                                   AdaptiveK(jnp.array([1.0, 1.5, 2.4]), ks=(0, 1, 3), probe_every=4)),
     }
 
 
