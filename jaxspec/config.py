@@ -591,7 +591,8 @@ class RolloutSpec(_Section):
     max_prompt_len: int = _field(16, **_ge(1))  # prompt tokens (BOS included); longer: an error
     method: str = "replay"  # verification rule: jaxspec.decoding.verify.METHODS
     # Rows decoded at once (continuous batching: a finished row's slot takes the next
-    # rollout inside the loop); null: all rollouts of the step at once (a static batch).
+    # rollout inside the loop; the first sample of every prompt starts first: see
+    # rl.rollouts.leaders_first); null: all rollouts of the step at once (a static batch).
     slots: Optional[int] = _field(None, **_ge(1))
     # A completion that hit max_new_tokens without an EOS is unfinished: 'zero' gives it
     # reward 0 (NeMo RL's default), 'score' grades its text like a finished one.
