@@ -228,7 +228,7 @@ def _generate(
         )
     args.check_adaptive(adaptive, drafter, policy, method, max_len)
     rows = args.check_rows(rows, batch)
-    slots = _check_slots(slots, batch, drafter)
+    slots = _check_slots(slots, batch)
     order = args.check_order(order, batch)
     check_prompts = getattr(drafter, "check_prompts", None)  # drafters built for a batch
     if check_prompts is not None:
@@ -352,20 +352,14 @@ def _grow_state(state: _LoopState, policy, drafter, *, capacity: int, pad_id: in
     )
 
 
-def _check_slots(slots, batch: int, drafter) -> int:
+def _check_slots(slots, batch: int) -> int:
     """`generate`'s slots as the static slot count in [1, batch]."""
     if slots is None:
         return batch
     if not isinstance(slots, (int, np.integer)) or isinstance(slots, (bool, np.bool_)) or slots < 1:
         raise ValueError(f"slots must be an int >= 1 (rows decoded at once) or None (one per "
                          f"prompt); got {args.describe(slots)}")
-    slots = min(int(slots), batch)
-    if slots < batch and not getattr(drafter, "supports_refill", True):
-        raise ValueError(
-            f"{type(drafter).__name__} cannot refill slots (its drafts read other rows by batch "
-            f"position); use slots=None or slots >= the {batch} prompts"
-        )
-    return slots
+    return min(int(slots), batch)
 
 
 @jax.tree_util.register_dataclass
