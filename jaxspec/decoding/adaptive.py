@@ -28,7 +28,16 @@ network (EAGLE-3, MTP, a draft model) does not observe during k = 0 iterations e
 last `window` committed entries are kept and observed in one forward before the next draft
 (entries older than that are never seen by it: drafts after a long plain stretch see less
 context; lossless anyway), and so is the prompt of a row refilled during k = 0 (its
-drafter row starts empty). So k = 0 costs what plain decoding costs.
+drafter row starts empty).
+
+The loop runs in phases, one compiled program each, switched by the host: a draft phase
+(one inner `while_loop` per drafted k, running while that k is the choice) ends where k = 0
+is chosen; a plain phase then runs k = 0 in a loop of its own until the next probe (the
+choice cannot change before it: k = 0 adds no counts), keeping no per-iteration books and
+recording entries for the drafter only in its last `window` iterations. Nested inside the
+draft phase's loop, the same k = 0 iterations cost 3% more than plain decoding on CPU; in
+their own phase they cost what plain decoding costs. A probe then costs two program
+switches besides its draft.
 
 Lossless by construction: with replay the tokens do not depend on the drafts at all; with
 rejection sampling the draft length is chosen from past iterations only, and each

@@ -13,6 +13,11 @@ Continuous batching (`slots` < prompts): the loop's rows are slots. At the end o
 iteration the rollouts that finished are copied out (in prompt order), and each free slot
 takes the next waiting prompt: its buffer row, a one-row prefill forward written into the
 slot's cache rows, and the drafter's row reset and prompt observation.
+
+The host runs the loop in segments, each a call of one compiled program continuing the
+state of the one before: a larger cache when a live row outgrows the current one
+(`_capacity_tiers`), and, under adaptive k, alternating draft and plain phases
+(`jaxspec.decoding.adaptive`).
 """
 
 from __future__ import annotations
@@ -237,30 +242,44 @@ def _generate(
     tiers = _capacity_tiers(policy, drafter, slots, width, nodes, max_len, grow_cache)
     iteration_cap = 2**31 - 1 if max_iterations is None else max_iterations
     start = time.perf_counter()
+    inputs = (policy, drafter, jnp.asarray(tokens), jnp.asarray(prompt_lengths), sampling, key,
+              jnp.asarray(stops or [-1], jnp.int32), jnp.asarray(rows, jnp.int32),
+              jnp.asarray(order, jnp.int32), adaptive, jnp.asarray(force_k, jnp.int32),
+              jnp.asarray(iteration_cap, jnp.int32))
+    # Adaptive k with k = 0 among its choices alternates a draft phase and a plain phase
+    # (one program each, both continuing the state) until the loop ends.
+    phased = adaptive is not None and 0 in adaptive.ks
+    need = nodes + 1  # cache slots a verify writes (as in the loop)
+
+    def finished(state, capacity) -> bool:  # the loop's end, or a live row outgrew `capacity`
+        done, lengths = np.asarray(state.done), np.asarray(state.lengths)
+        return bool(np.all(done) or int(np.asarray(state.stats.target_forwards)) >= iteration_cap
+                    or np.any(~done & (lengths + need > capacity)))
+
     state = None
+    in_plain = False  # a plain phase that a capacity growth cut short goes on after it
     for i, capacity in enumerate(tiers):
+        static = dict(max_new_tokens=max_new_tokens, max_len=capacity, method=method, pad_id=pad_id,
+                      slots=slots)
         if state is not None:  # a live row outgrew the last capacity: continue in a larger one
             state = _grow_state(state, policy, drafter, capacity=capacity, pad_id=pad_id)
-        state, out = _generate_jit(
-            policy,
-            drafter,
-            jnp.asarray(tokens),
-            jnp.asarray(prompt_lengths),
-            sampling,
-            key,
-            jnp.asarray(stops or [-1], jnp.int32),
-            jnp.asarray(rows, jnp.int32),
-            jnp.asarray(order, jnp.int32),
-            adaptive,
-            jnp.asarray(force_k, jnp.int32),
-            jnp.asarray(iteration_cap, jnp.int32),
-            state,
-            max_new_tokens=max_new_tokens,
-            max_len=capacity,
-            method=method,
-            pad_id=pad_id,
-            slots=slots,
-        )
+        if not phased:
+            state, out = _generate_jit(*inputs, state, **static)
+        else:
+            if state is None:
+                state, _ = _generate_jit(*inputs, None, phase="init", **static)
+            while True:
+                if not in_plain:
+                    state, out = _generate_jit(*inputs, state, phase="draft", **static)
+                    if finished(state, capacity):
+                        break
+                state, out = _generate_jit(*inputs, state, phase="plain", **static)
+                # cut short (not at the probe): the choice is still k = 0
+                in_plain = (int(np.asarray(state.stats.target_forwards))
+                            < int(np.asarray(state.adapt.next_probe))) or force_k == adaptive.ks.index(0)
+                if finished(state, capacity):
+                    break
+                in_plain = False
         if i + 1 < len(tiers) and (np.all(np.asarray(state.done))
                                    or int(np.asarray(state.stats.target_forwards)) >= iteration_cap):
             break
@@ -422,7 +441,7 @@ def _refill_draft_state(drafter, policy, state, axes, slot, obs: Observation, ma
 
 
 # state_in is donated: a later segment's loop takes over the grown state's buffers.
-@partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id", "slots"),
+@partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id", "slots", "phase"),
          donate_argnames=("state_in",))
 def _generate_jit(
     policy: Policy,
@@ -444,6 +463,7 @@ def _generate_jit(
     method: str,
     pad_id: int,
     slots: int,
+    phase: str = "all",  # adaptive k: "init" (the prefill), "draft" (k > 0), "plain" (k = 0)
 ):
     num_prompts, width = prompt_tokens.shape
     batch = slots
@@ -562,8 +582,12 @@ def _generate_jit(
         return (draft_state, cleared(pending), cleared(pending_prompt),
                 has.astype(jnp.int32) * drafter.forwards_per_observe)
 
-    def step(s: _LoopState, d: Drafter, k: int | None):
-        """One iteration with drafter `d` (k: its chain length under adaptive, else None)."""
+    def step(s: _LoopState, d: Drafter, k: int | None, record: bool = True):
+        """One iteration with drafter `d` (k: its chain length under adaptive, else None).
+        Adaptive k = 0 runs only in a plain phase: it leaves the acceptance counts alone
+        (k = 0 drafts nothing; the phase ends before the next probe), its iterations are
+        counted when the phase ends, and `record` keeps its entries for the drafter's next
+        observation (the phase's last `window` iterations)."""
         active = ~s.done
         slot_rows = rows[s.prompt_of]  # [slots] global rollout ids
         budget_end = prompt_lengths[s.prompt_of] + max_new_tokens  # [slots] exclusive end
@@ -637,10 +661,11 @@ def _generate_jit(
                 for layer, h in captured.items()
             },
         )
-        if defer and k == 0:  # one entry per row, written over the window's oldest
-            at = st_iter % adaptive.window
-            pending = jax.tree.map(lambda w, e: jax.lax.dynamic_update_slice_in_dim(w, e, at, axis=1),
-                                   pending, obs)
+        if defer and k == 0:
+            if record:  # one entry per row, written over the window's oldest
+                at = st_iter % adaptive.window
+                pending = jax.tree.map(lambda w, e: jax.lax.dynamic_update_slice_in_dim(w, e, at, axis=1),
+                                       pending, obs)
         else:
             draft_state = drafter.observe(draft_state, policy, obs)
 
@@ -654,36 +679,60 @@ def _generate_jit(
             row_steps=st.row_steps.at[s.prompt_of].add(active.astype(jnp.int32)),
             tokens_generated=st.tokens_generated.at[s.prompt_of].add(n_emit),
             # Drafts count as accepted only when emitted (not cut by a stop token or the budget).
-            accepted_at=st.accepted_at
+            accepted_at=st.accepted_at if drafted == 0 else st.accepted_at
             + jnp.sum((depth_ids < jnp.minimum(num_accepted, n_emit - 1)[:, None]) & active[:, None], axis=0),
-            proposed_at=st.proposed_at + jnp.sum(active) * (depth_ids[0] < drafted).astype(jnp.int32),
+            proposed_at=st.proposed_at if drafted == 0
+            else st.proposed_at + jnp.sum(active) * (depth_ids[0] < drafted).astype(jnp.int32),
             wall_time_s=st.wall_time_s,
             slot_steps=st.slot_steps + batch,
             prefill_forwards=st.prefill_forwards,
-            k_iterations=None if k is None else st.k_iterations.at[k].add(1),
+            k_iterations=None if k is None else st.k_iterations if k == 0 else st.k_iterations.at[k].add(1),
         )
         out = dataclasses.replace(
             s, buffer=buffer, logprobs=logprobs, lengths=new_lengths, done=done, cache=cache,
             draft_state=draft_state, stats=stats, pending=pending, pending_prompt=pending_prompt,
-            adapt=None if k is None else s.adapt.update(adaptive, k, num_accepted, active, st_iter),
+            adapt=s.adapt if k is None or k == 0 else s.adapt.update(adaptive, k, num_accepted, active, st_iter),
         )
         if refill:
             out = _refill(harvest(out, done & ~s.done), defer_prompts=defer and k == 0)
         return out
 
+    def pick(s):
+        return jnp.where(force_k >= 0, force_k, choose_k(s.adapt, adaptive, s.stats.target_forwards))
+
+    plain_index = adaptive.ks.index(0) if adaptive is not None and 0 in adaptive.ks else None
+
     def body(s: _LoopState):
         if adaptive is None:
             return step(s, drafter, None)
-        # One inner loop per k, each running while k is the choice. Not a lax.switch: XLA
-        # copies the loop state (the KV cache) into a conditional's branch every iteration,
-        # while loops update it in place. Every pass runs at least one iteration.
-        def pick(s):
-            return jnp.where(force_k >= 0, force_k, choose_k(s.adapt, adaptive, s.stats.target_forwards))
-
+        # The draft phase: one inner loop per drafted k, each running while k is the choice.
+        # Not a lax.switch: XLA copies the loop state (the KV cache) into a conditional's
+        # branch every iteration, while loops update it in place. Every pass runs at least
+        # one iteration. k = 0 ends the phase (`plain_phase`).
         for i, k in enumerate(adaptive.ks):
-            s = jax.lax.while_loop(lambda s, i=i: cond(s) & (pick(s) == i),
-                                   partial(step, d=variants[k], k=k), s)
+            if k:
+                s = jax.lax.while_loop(lambda s, i=i: cond(s) & (pick(s) == i),
+                                       partial(step, d=variants[k], k=k), s)
         return s
+
+    def plain_phase(s: _LoopState) -> _LoopState:
+        """Adaptive k = 0 until the next probe, in a loop of its own at the program's top
+        level. Between probes the choice cannot change (k = 0 adds no counts), so this runs
+        exactly the iterations the draft phase would have run at k = 0; nested in the draft
+        phase's loop and keeping the per-iteration books, they cost 3% more than plain
+        decoding on CPU. Entries are recorded for the drafter only in the last `window`
+        iterations (the deferred observation keeps no more)."""
+        forced = force_k == plain_index  # `measure_costs`: k = 0 to the iteration cap
+        start = s.stats.target_forwards
+        end = jnp.where(forced, max_iterations, s.adapt.next_probe)
+        s = jax.lax.while_loop(
+            lambda s: cond(s) & (forced | (s.stats.target_forwards < end - adaptive.window)),
+            partial(step, d=variants[0], k=0, record=False), s)
+        s = jax.lax.while_loop(lambda s: cond(s) & (s.stats.target_forwards < end),
+                               partial(step, d=variants[0], k=0), s)
+        st = s.stats
+        return dataclasses.replace(s, stats=dataclasses.replace(
+            st, k_iterations=st.k_iterations.at[0].add(st.target_forwards - start)))
 
     row_axes = _state_row_axes(drafter, policy, batch, max_len) if refill else None
     padded_prompts = jnp.full((num_prompts, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
@@ -756,7 +805,14 @@ def _generate_jit(
             next_prompt=s.next_prompt + n_start,
         )
 
-    final = jax.lax.while_loop(cond, body, state)
+    if phase == "init":
+        return state, None
+    if phase == "plain":
+        final = plain_phase(state)
+    elif plain_index is None:
+        final = jax.lax.while_loop(cond, body, state)
+    else:  # the draft phase ends where k = 0 is chosen
+        final = jax.lax.while_loop(lambda s: cond(s) & (pick(s) != plain_index), body, state)
     # Every slot's rollout so far (a later segment harvests unfinished ones again).
     final = harvest(final, jnp.ones((batch,), bool))
     summary = getattr(drafter, "draft_stats", None)
