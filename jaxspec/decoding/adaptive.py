@@ -222,8 +222,9 @@ def measure_costs(
     `generate(policy, prompts, drafter=drafter, **generate_kwargs)` (same prompts, slots,
     max_new_tokens, ...), and return the AdaptiveK that `generate(adaptive=...)` takes.
 
-    One compiled program serves every k: k is forced through a traced argument (on one
-    full-length cache, `generate(grow_cache=False)`). Per round and k: the first `iterations` iterations at k are timed and the
+    The programs of the real call serve every k: k is forced through a traced argument (on
+    one full-length cache, `generate(grow_cache=False)`; k = 0 times the plain phase, as it
+    runs). Per round and k: the first `iterations` iterations at k are timed and the
     prefill-only call (0 iterations) is subtracted; c_k = median over rounds of that over
     the iterations run (floored at a tenth of the whole call's time per iteration, so noise
     cannot make a cost vanish). ks: default 0..drafter.k. Other AdaptiveK fields:

@@ -203,7 +203,7 @@ def _generate(
 ) -> Rollouts:
     """`generate`, plus what `adaptive.measure_costs` needs: `force_k` (an index into
     adaptive.ks used at every iteration; -1: choose) and `max_iterations` (stop the loop
-    after that many; None: run to the end). Both are traced: one compiled program."""
+    after that many; None: run to the end). Both are traced: no recompile for new values."""
     args.check_policy(policy)
     args.check_method(method)
     sampling = args.check_sampling(sampling, method)
