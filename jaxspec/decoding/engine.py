@@ -249,13 +249,6 @@ def _generate(
     # Adaptive k with k = 0 among its choices alternates a draft phase and a plain phase
     # (one program each, both continuing the state) until the loop ends.
     phased = adaptive is not None and 0 in adaptive.ks
-    need = nodes + 1  # cache slots a verify writes (as in the loop)
-
-    def finished(state, capacity) -> bool:  # the loop's end, or a live row outgrew `capacity`
-        done, lengths = np.asarray(state.done), np.asarray(state.lengths)
-        return bool(np.all(done) or int(np.asarray(state.stats.target_forwards)) >= iteration_cap
-                    or np.any(~done & (lengths + need > capacity)))
-
     state = None
     in_plain = False  # a plain phase that a capacity growth cut short goes on after it
     for i, capacity in enumerate(tiers):
@@ -264,24 +257,25 @@ def _generate(
         if state is not None:  # a live row outgrew the last capacity: continue in a larger one
             state = _grow_state(state, policy, drafter, capacity=capacity, pad_id=pad_id)
         if not phased:
-            state, out = _generate_jit(*inputs, state, **static)
+            state, out, now = _generate_jit(*inputs, state, **static)
+            ended = bool(np.asarray(now)[0]) if i + 1 < len(tiers) else True
         else:
             if state is None:
-                state, _ = _generate_jit(*inputs, None, phase="init", **static)
+                state, _, now = _generate_jit(*inputs, None, phase="init", **static)
             while True:
                 if not in_plain:
-                    state, out = _generate_jit(*inputs, state, phase="draft", **static)
-                    if finished(state, capacity):
+                    state, out, now = _generate_jit(*inputs, state, phase="draft", **static)
+                    ended, outgrew, _ = (bool(x) for x in np.asarray(now))
+                    if ended or outgrew:
                         break
-                state, out = _generate_jit(*inputs, state, phase="plain", **static)
+                state, out, now = _generate_jit(*inputs, state, phase="plain", **static)
+                ended, outgrew, before_probe = (bool(x) for x in np.asarray(now))
                 # cut short (not at the probe): the choice is still k = 0
-                in_plain = (int(np.asarray(state.stats.target_forwards))
-                            < int(np.asarray(state.adapt.next_probe))) or force_k == adaptive.ks.index(0)
-                if finished(state, capacity):
+                in_plain = before_probe or force_k == adaptive.ks.index(0)
+                if ended or outgrew:
                     break
                 in_plain = False
-        if i + 1 < len(tiers) and (np.all(np.asarray(state.done))
-                                   or int(np.asarray(state.stats.target_forwards)) >= iteration_cap):
+        if ended:
             break
     jax.block_until_ready(out)
     wall = jnp.asarray(time.perf_counter() - start, jnp.float32)
@@ -805,8 +799,18 @@ def _generate_jit(
             next_prompt=s.next_prompt + n_start,
         )
 
+    def where_now(s: _LoopState):
+        """[3] bool, replicated (a host reads it whatever the mesh): the loop has ended (every
+        row done, or the iteration cap); a live row outgrew this capacity; a plain phase
+        stopped before its probe (adaptive k: it goes on in the next capacity)."""
+        ended = ~jnp.any(~s.done) | (s.stats.target_forwards >= max_iterations)
+        outgrew = ~ended & ~jnp.all(s.done | (s.lengths + need <= max_len))
+        before_probe = (s.stats.target_forwards < s.adapt.next_probe) if s.adapt is not None \
+            else jnp.asarray(False)
+        return jnp.stack([ended, outgrew, before_probe])
+
     if phase == "init":
-        return state, None
+        return state, None, where_now(state)
     if phase == "plain":
         final = plain_phase(state)
     elif plain_index is None:
@@ -823,4 +827,4 @@ def _generate_jit(
         parallel.constrain(final.out_lengths, ("batch",)),
         parallel.constrain(final.out_logprobs, ("batch", "length")),
         final.stats, draft_stats,
-    )
+    ), where_now(final)
