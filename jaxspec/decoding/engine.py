@@ -269,9 +269,7 @@ def _generate(
                     if ended or outgrew:
                         break
                 state, out, now = _generate_jit(*inputs, state, phase="plain", **static)
-                ended, outgrew, before_probe = (bool(x) for x in np.asarray(now))
-                # cut short (not at the probe): the choice is still k = 0
-                in_plain = before_probe or force_k == adaptive.ks.index(0)
+                ended, outgrew, in_plain = (bool(x) for x in np.asarray(now))
                 if ended or outgrew:
                     break
                 in_plain = False
@@ -801,13 +799,13 @@ def _generate_jit(
 
     def where_now(s: _LoopState):
         """[3] bool, replicated (a host reads it whatever the mesh): the loop has ended (every
-        row done, or the iteration cap); a live row outgrew this capacity; a plain phase
-        stopped before its probe (adaptive k: it goes on in the next capacity)."""
+        row done, or the iteration cap); a live row outgrew this capacity (`cond` failed for
+        no other reason); k = 0 goes on (adaptive: before the next probe, or k = 0 forced),
+        so a plain phase cut short by the capacity continues in the next one."""
         ended = ~jnp.any(~s.done) | (s.stats.target_forwards >= max_iterations)
-        outgrew = ~ended & ~jnp.all(s.done | (s.lengths + need <= max_len))
-        before_probe = (s.stats.target_forwards < s.adapt.next_probe) if s.adapt is not None \
-            else jnp.asarray(False)
-        return jnp.stack([ended, outgrew, before_probe])
+        plain_goes_on = ((s.stats.target_forwards < s.adapt.next_probe) | (force_k == plain_index)
+                         if plain_index is not None else jnp.asarray(False))
+        return jnp.stack([ended, ~ended & ~cond(s), plain_goes_on])
 
     if phase == "init":
         return state, None, where_now(state)

@@ -345,4 +345,3 @@ def test_bad_adaptive_fails_before_compiling(setup):
     with pytest.raises(ValueError, match="depths 1..3; k=5"):
         generate(policy, prompts, drafter=setup["drafters"]["oracle"],
                  adaptive=AdaptiveK(jnp.ones(3), ks=(0, 1, 5)), **common)
-
