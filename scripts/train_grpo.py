@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """GRPO on rollouts from lossless speculative decoding: the main job.
 
-    python scripts/train_grpo.py configs/tiny.yaml                    # the embedded default, CPU
-    python scripts/train_grpo.py configs/tiny.yaml run.dir=runs/k4 draft.k=4
-    python scripts/train_grpo.py runs/k4/config.yaml --resume           # continue that run
+    python scripts/train_grpo.py configs/long.yaml                    # the README's main job, CPU
+    python scripts/train_grpo.py configs/long.yaml run.dir=runs/k3 draft.k=3
+    python scripts/train_grpo.py runs/k3/config.yaml --resume           # continue that run
+    python scripts/train_grpo.py configs/tiny.yaml                    # the smallest run (defaults)
 
 Overrides are `dotted.key=value` (YAML values). Writes into run.dir: config.yaml (the
 resolved config), metrics.jsonl (one line per step), tb/ (TensorBoard, when tensorboardX is

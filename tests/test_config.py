@@ -32,6 +32,20 @@ def test_tiny_yaml_is_the_embedded_default():
     assert cfg.model.hf_path is None and cfg.task.name == "arithmetic"
 
 
+def test_the_main_job_config_and_the_benchmark_configs_pass_the_run_checks(tmp_path):
+    """configs/long.yaml (the README's main job) and configs/small.yaml load and pass every
+    check made before compiling, so the README's command cannot rot unseen."""
+    import jax
+
+    for name in ("long", "small"):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"run.dir={tmp_path / name}"])
+        plan = prepare_run(cfg, devices=jax.devices()[:1])  # one CPU device, as a user has
+        assert plan.task is not None and plan.tokenizer is not None
+    long = load_config(ROOT / "configs" / "long.yaml")
+    assert long.task.name == "counting" and long.draft.kind == "history" and long.model.hf_path is None
+    assert long.run.compare_plain > 0  # the speedup the README quotes is measured in the run
+
+
 def test_overrides_are_yaml_scalars():
     cfg = load_config(TINY, ["draft.k=4", "sampling.temperature=0.7", "run.dir=runs/x y",
                              "grpo.clip_c=3", "grpo.tis=token", "draft.tree.top_k=3",

@@ -41,7 +41,7 @@ def saved_run(tmp_path_factory):
 
 
 SHAPING = {
-    "draft k (docs/training.md's example without draft.k=4)": (["draft.k=3"], "draft.k"),
+    "draft k (a run resumed without its draft.k override)": (["draft.k=3"], "draft.k"),
     "draft kind": (["draft.kind=ngram"], "draft.kind"),
     "model width": (["model.hidden_size=32"], "model.hidden_size"),
     "tree": (["draft.tree={top_k: 2, depth: 2, budget: 4}"], "draft.tree"),
