@@ -22,7 +22,8 @@ Timing: every configuration is compiled first, then all are timed alternately (A
 
 `--adaptive`: instead, compare draft lengths on refill_S: plain, every fixed k = 1..K, and
 adaptive k (`jaxspec.decoding.adaptive`: costs measured once by `measure_costs` before the
-timing, then k chosen per iteration); ratios against plain refill_S. `--drafter eagle3`
+timing, then k chosen per iteration) and plain again (plain timed against itself: the
+noise floor); ratios against plain refill_S. `--drafter eagle3`
 drafts with a random EAGLE-3 head (real draft forwards, acceptance near chance) instead of
 the oracle.
 """
@@ -178,6 +179,7 @@ def _adaptive(args, policy, prompts, rows, common, drafter, completions) -> int:
     runs.update({f"k={k}": (lambda d=drafter.with_k(k): generate(policy, prompts, drafter=d, **kw))
                  for k in range(1, drafter.k + 1)})
     runs["adaptive"] = lambda: generate(policy, prompts, drafter=drafter, adaptive=adaptive, **kw)
+    runs["plain again"] = runs["plain"]  # plain against itself: the timing noise floor
     stats = {}
     for name, fn in runs.items():  # compile, check the tokens, collect the counters
         out = fn()
@@ -186,7 +188,7 @@ def _adaptive(args, policy, prompts, rows, common, drafter, completions) -> int:
         stats[name] = dict(iterations=int(st.target_forwards), acceptance_length=st.acceptance_length,
                            tokens_per_slot_step=st.tokens_per_slot_step,
                            mean_k=st.mean_k if st.k_iterations is not None else
-                           (0.0 if name == "plain" else float(name[2:])),
+                           (0.0 if name.startswith("plain") else float(name[2:])),
                            k_iterations=None if st.k_iterations is None else
                            np.asarray(st.k_iterations).tolist())
     times = interleaved(runs, args.rounds)
@@ -205,9 +207,9 @@ def _adaptive(args, policy, prompts, rows, common, drafter, completions) -> int:
     )
     print(f"{summary['params']} params; costs per iteration (ms) at k = {list(adaptive.ks)}: "
           + ", ".join(f"{c:.2f}" for c in summary["costs_ms"]))
-    print(f"{'run':<10} {'iters':>6} {'tau':>5} {'tok/slot-step':>13} {'mean k':>6} {'wall s':>7} {'x plain':>8}  k iterations")
+    print(f"{'run':<11} {'iters':>6} {'tau':>5} {'tok/slot-step':>13} {'mean k':>6} {'wall s':>7} {'x plain':>8}  k iterations")
     for name, st in stats.items():
-        print(f"{name:<10} {st['iterations']:>6} {st['acceptance_length']:>5.2f} "
+        print(f"{name:<11} {st['iterations']:>6} {st['acceptance_length']:>5.2f} "
               f"{st['tokens_per_slot_step']:>13.2f} {st['mean_k']:>6.2f} {st['wall_s_median']:>7.2f} "
               f"{st['speedup_vs_plain']:>8.2f}  {st['k_iterations'] or ''}")
     print(f"adaptive vs the best fixed k ({best}): {adaptive_vs_best:.2f}x (median of per-round ratios)")
