@@ -30,7 +30,10 @@ def install() -> None:
     get_compile_options = compiler.get_compile_options
 
     def with_options(*args, env_options_overrides=None, **kwargs):
-        if _cheap[0]:
+        # XLA_OPTIONS are XLA:CPU's; a GPU compile rejects them ("No such compile option").
+        backend = kwargs.get("backend")
+        platform = backend.platform if backend is not None else jax.default_backend()
+        if _cheap[0] and platform == "cpu":
             env_options_overrides = {**XLA_OPTIONS, **(env_options_overrides or {})}
         return get_compile_options(*args, env_options_overrides=env_options_overrides, **kwargs)
 
@@ -42,6 +45,8 @@ def subprocess_env(env: dict) -> dict:
     compile as this process compiles now."""
     if not _cheap[0]:
         return env
+    if jax.default_backend() != "cpu":
+        return {**env, "JAX_DISABLE_MOST_OPTIMIZATIONS": "true"}
     flags = " ".join(f"--{name}={str(value).lower()}" for name, value in XLA_OPTIONS.items())
     return {**env, "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
             "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {flags}".strip()}

@@ -109,8 +109,11 @@ def _tree_attention_kernel(
         return _online_softmax_step(carry, scores, allowed, vn_ref[nodes, :])
 
     # The tree nodes under the ancestor mask, once per (row, kv head): split 0.
-    tree_blocks = jnp.where(split == 0, kn_ref.shape[0] // block_n, 0)
-    o, m, l = lax.fori_loop(0, tree_blocks, tree_block, carry)
+    # Both bounds int32 values: a `where` of two Python ints lowered to an i1 bound, and
+    # Triton rejects an scf.for whose bounds differ in type ("Failed to parse Triton
+    # module", seen on an H100 with jax 0.11.2).
+    tree_blocks = jnp.where(split == 0, jnp.int32(kn_ref.shape[0] // block_n), jnp.int32(0))
+    o, m, l = lax.fori_loop(jnp.int32(0), tree_blocks, tree_block, carry)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l

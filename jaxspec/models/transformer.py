@@ -316,7 +316,20 @@ class Policy:
         mask allows. capture=(i, ...) returns the output of decoder layer i (0-based, before
         the final norm), HF's hidden_states[i + 1] (HF reports the last layer after the
         final norm). With cache=None nothing is stored and None is returned.
+
+        A float32 policy computes its matrix products in full float32 on every backend
+        (precision HIGHEST): JAX's default on a GPU rounds float32 operands to TF32, which
+        moved logits by ~1e-3 relative on an H100 and, since a verify forward and a decode
+        forward then round differently, made speculative rollouts differ from plain ones
+        token for token (docs/BENCHMARKS.md, "GPU"). bfloat16 policies are unaffected.
         """
+        if self.config.dtype == "float32":
+            with jax.default_matmul_precision("highest"):
+                return self._forward(tokens, positions, cache, mask=mask, capture=capture,
+                                     head=head)
+        return self._forward(tokens, positions, cache, mask=mask, capture=capture, head=head)
+
+    def _forward(self, tokens, positions, cache, *, mask, capture, head):
         cfg = self.config
         tokens = jnp.asarray(tokens)
         positions = jnp.asarray(positions)

@@ -1,0 +1,78 @@
+"""The Pallas kernel's Triton module is valid MLIR, checked on any machine.
+
+On a GPU, XLA parses the Triton module that Pallas lowers the kernel to, and the MLIR
+verifier rejects malformed ops there, at the first call. An H100 session (jax 0.11.2) found
+every Pallas call failing that way: "'scf.for' op failed to verify that all of {lowerBound,
+upperBound, step} have same type" (an i1 upper bound). JAX can lower for CUDA on a CPU-only
+machine, so this test lowers the kernel for CUDA here and runs the same verifier on the
+module, over the shapes and knobs the GPU tests use. It reads the module out of the
+lowered program through JAX's private MLIR bindings (jax._src), which may move between
+JAX versions.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+
+from jaxspec.kernels.pallas import tree_attention_pallas
+
+
+def _ops(op):
+    yield op
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                yield from _ops(child.operation)
+
+
+def _triton_modules(fn, *avals):
+    """The serialized Triton modules of the Pallas calls in `fn` lowered for CUDA."""
+    lowered = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+    out = []
+    for op in _ops(lowered.compiler_ir("stablehlo").operation):
+        if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
+            config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+            if "ir" in config:
+                out.append(ir.StringAttr(config["ir"]).value_bytes)
+    return out
+
+
+def _verify(module: bytes):
+    """Parse (which verifies) the module in a context that knows the Triton dialect;
+    raises on an invalid module, as XLA does on a GPU."""
+    ctx = mlir.JaxIrContext()
+    tt_dialect.register_dialect(ctx)
+    ctx.load_all_available_dialects()
+    with ctx:
+        parsed = ir.Module.parse(module)
+        assert parsed.operation.verify()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "batch, max_len, nodes, q_heads, kv_heads, head_dim, knobs",
+    [
+        (20, 1000, 16, 16, 4, 128, {}),  # the GPU test's shapes (group 4)
+        (20, 1000, 16, 32, 4, 128, dict(kv_splits=1)),
+        (20, 1000, 16, 4, 4, 128, dict(kv_splits=7, block_k=32)),
+        (3, 256, 300, 8, 2, 64, {}),  # a prefill block: many tree-node blocks
+    ],
+)
+def test_pallas_triton_module_verifies(dtype, batch, max_len, nodes, q_heads, kv_heads,
+                                       head_dim, knobs):
+    avals = [
+        jax.ShapeDtypeStruct((batch, nodes, q_heads, head_dim), dtype),  # q
+        jax.ShapeDtypeStruct((batch, max_len, kv_heads, head_dim), dtype),  # k_cache
+        jax.ShapeDtypeStruct((batch, max_len, kv_heads, head_dim), dtype),  # v_cache
+        jax.ShapeDtypeStruct((batch,), jnp.int32),  # cache_lengths
+        jax.ShapeDtypeStruct((batch, nodes, kv_heads, head_dim), dtype),  # k_new
+        jax.ShapeDtypeStruct((batch, nodes, kv_heads, head_dim), dtype),  # v_new
+        jax.ShapeDtypeStruct((batch, nodes, nodes), jnp.bool_),  # tree_mask
+    ]
+    modules = _triton_modules(lambda *a: tree_attention_pallas(*a, **knobs), *avals)
+    assert modules, "no Pallas Triton call in the lowered program"
+    for module in modules:
+        _verify(module)
