@@ -30,6 +30,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,11 @@ def _parse(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_rollout.json", help="where to write the results")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --config: an override such as model.attention_backend=pallas (repeatable)")
+    p.add_argument("--bandwidth", action="store_true",
+                   help="also measure the device's read bandwidth and report plain decoding against "
+                   "its memory bound (weights + live KV bytes read per step)")
     p.add_argument("--calibration-out", help="write the first drafter's k=3 acceptance as a "
                    "calibration file for scripts/simulate.py --calibration")
     return p.parse_args(argv)
@@ -89,7 +95,7 @@ def _policy(args):
     from jaxspec.config import load_config
     from jaxspec.rl.trainer import prepare_run
 
-    plan = prepare_run(load_config(args.config))
+    plan = prepare_run(load_config(args.config, args.set))
     return Policy.init(plan.model_config, jax.random.key(args.seed))
 
 
@@ -144,6 +150,35 @@ def _verify_cost(policy, batch: int, context: int, ks, rounds: int, reps: int = 
     return {k: median_ratio(times[k + 1], times[1]) for k in ks}
 
 
+def read_bandwidth_gbps(rounds: int = 5) -> float:
+    """GB/s of reading one large array once (a float32-accumulated sum of bf16 values): the
+    rate a memory-bound decode step can read its weights and KV at. 4 GiB on a GPU,
+    256 MiB elsewhere."""
+    n = (2 << 30) if jax.default_backend() == "gpu" else (128 << 20)
+    x = jnp.ones((n,), jnp.bfloat16)
+    read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    jax.block_until_ready(read(x))
+    seconds = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready(read(x))
+        seconds.append(time.perf_counter() - start)
+    del x
+    return 2 * n / statistics.median(seconds) / 1e9
+
+
+def decode_bytes(policy, batch: int, live_tokens: float) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one plain decode step must read: every weight but the input
+    embedding table (only `batch` rows of it are read; a tied table is read as the LM head),
+    and the keys and values of `live_tokens` cached tokens per row."""
+    c = policy.config
+    itemsize = jnp.dtype(c.dtype).itemsize
+    params = sum(x.size for x in jax.tree.leaves(policy.params))
+    embed = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
+    kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * itemsize
+    return (params - embed) * itemsize, int(batch * live_tokens * kv_per_token)
+
+
 def _drafter(name, k, args, policy, head, small):
     if name == "eagle3":
         return Eagle3Drafter(head, k=k)
@@ -192,8 +227,13 @@ def main(argv=None) -> int:
         if {"draft_model", "draft_model_argmax"} & set(names) and not args.draft_model:
             raise SystemExit("--drafters draft_model needs --draft-model DIR")
 
+    if args.set and not args.config:
+        raise SystemExit("--set overrides a --config file's values; give --config")
     policy = _policy(args)
     vocab = policy.config.vocab_size
+    bandwidth = read_bandwidth_gbps() if args.bandwidth else None
+    if bandwidth:
+        print(f"read bandwidth {bandwidth:.0f} GB/s ({jax.devices()[0].device_kind})", flush=True)
     ids, tok = _prompts(args, vocab)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [len(ids)]
     head = (load_eagle3(args.eagle3, target_num_layers=policy.config.num_layers)
@@ -210,6 +250,10 @@ def main(argv=None) -> int:
         run_plain = lambda prompts=prompts, common=common: generate(policy, prompts, **common, method=plain_method)  # noqa: E731
         plain = run_plain()  # compile
         longest = int(np.max(plain.lengths))
+        plain_bound = None
+        if bandwidth:  # plain decodes `longest` steps over caches of prompt + t tokens
+            w, kv = decode_bytes(policy, batch, int(prompts[0].shape[1]) + longest / 2)
+            plain_bound = longest * (w + kv) / (bandwidth * 1e9)
         cost = _verify_cost(policy, batch, int(prompts[0].shape[1]) + longest // 2, ks, args.rounds)
         for name in names:
             for k in ks if name != "eagle3_tree" else [None]:
@@ -238,18 +282,24 @@ def main(argv=None) -> int:
                     speedup=speedup, verify_cost=c, bound=bound, efficiency=speedup / bound,
                     tokens_equal_plain=bool(np.array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))),
                     plain_tokens=int(np.sum(plain.lengths)), longest=longest,
+                    plain_tokens_per_s=float(np.sum(plain.lengths)) / statistics.median(times["plain"]),
+                    plain_of_memory_bound=(plain_bound / statistics.median(times["plain"])
+                                           if plain_bound else None),
                 ))
                 r = rows[-1]
                 print(f"{name:>14} B={batch:<4d} k={str(r['k']):>6}  speedup {speedup:5.2f}x  tau {tau:5.2f}  "
                       f"c(k+1)/c(1) {c:5.2f}  bound {bound:5.2f}x  efficiency {r['efficiency']:5.1%}  "
-                      f"plain {r['plain_s'] * 1e3:8.1f} ms  same-as-plain {r['tokens_equal_plain']}", flush=True)
+                      f"plain {r['plain_s'] * 1e3:8.1f} ms"
+                      + (f" ({r['plain_tokens_per_s']:.0f} tok/s, {r['plain_of_memory_bound']:.0%} of the "
+                         "memory bound)" if plain_bound else "")
+                      + f"  same-as-plain {r['tokens_equal_plain']}", flush=True)
 
     result = dict(
         machine=f"{platform.machine()} {platform.processor() or ''} / {jax.devices()[0].device_kind}",
         backend=jax.default_backend(), policy=args.policy or args.config, eagle3=args.eagle3,
         params=int(sum(x.size for x in jax.tree.leaves(policy.params))),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=args.method,
-        rounds=args.rounds, rows=rows, argv=sys.argv[1:] if argv is None else list(argv),
+        rounds=args.rounds, read_bandwidth_gbps=bandwidth, rows=rows, argv=sys.argv[1:] if argv is None else list(argv),
     )
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU checklist (../shared/GPU.md) in a few calls of the device tool, each under its
+# 10-minute limit. Run from the repository root on the GPU machine, one or more phases:
+#   bash scripts/gpu_session.sh check    # environment, HF parity, bf16 replay, an 8B smoke run
+#   bash scripts/gpu_session.sh tests    # the gpu-marked kernel tests and tests/decoding on CUDA
+#   bash scripts/gpu_session.sh kernels  # tree-attention backends on the full grid (~4 min)
+#   bash scripts/gpu_session.sh rollout  # 8B-shaped oracle rollouts, batch 1-256, k 1/3/5 (~5 min)
+#   bash scripts/gpu_session.sh rollout_invariant  # the same with the batch-invariant forward
+#   bash scripts/gpu_session.sh kernels_b64        # issue 13's verify/decode row (batch 64, N 16)
+#   bash scripts/gpu_session.sh engine   # issue 13's tables: decode bound, live-KV attention, long tail
+# Every step has its own time limit, so one that hangs or fails leaves the rest running;
+# each step's log goes to $OUT (or ./gpu_out) and its last lines to the console.
+# Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first.
+set -u
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|rollout|engine ..."; exit 2; }
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+start=$(date +%s)
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s, at +$(( $(date +%s) - start ))s): $*"
+  timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "--- $name: exit $? after +$(( $(date +%s) - start ))s"
+  grep -v -E "^\s*$|Writing model shards|it/s\]" "$out/$name.log" | tail -n "${TAIL:-25}" | cut -c1-230
+}
+
+# JAX takes 75% of the GPU at start-up unless told otherwise; test workers share the GPU.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false JAXSPEC_TEST_PLATFORMS=cuda
+for phase in "$@"; do
+case $phase in
+check)
+  {
+    nvidia-smi -L; python3 -c "import sys; print(sys.version)"
+    python3 -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda|jax-triton|flax|optax|orbax|transformers|triton|numpy|torch|tensorboardx) "
+    python3 -c "import jax; print(jax.devices()); import jaxspec.kernels as k; print('jax_triton:', k.jax_triton_available())"
+  } >"$out/env.log" 2>&1
+  cat "$out/env.log"
+  step hf_parity 60 python3 scripts/hf_parity.py
+  TAIL=40 step exactness 100 python3 scripts/bench_exactness.py --rows 512 --tokens 24 --repeats 3
+  step smoke_8b 130 python3 scripts/bench_rollout.py --config configs/qwen3_8b_shape.yaml \
+    --oracle 1.0 --ks 1 --batches 1 --rounds 1 --max-new-tokens 16 --json "$out/smoke_8b.json"
+  ;;
+tests)
+  step kernel_tests 100 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider
+  # -v: each result is logged as it completes, so a time limit still leaves the names.
+  TAIL=60 step decoding_tests "${DECODING_LIMIT:-240}" python3 -m pytest -v -n 8 tests/decoding \
+    -p no:cacheprovider --tb=line -rfE
+  ;;
+kernels)
+  TAIL=90 step kernels 260 python3 scripts/bench_kernels.py --out "$out/kernels.json"
+  ;;
+rollout)
+  TAIL=20 step rollout_8b 320 python3 scripts/bench_rollout.py --config configs/qwen3_8b_shape.yaml \
+    --oracle 1.0 --ks 1,3,5 --batches 1,16,64,256 --rounds 3 --max-new-tokens 96 --bandwidth \
+    --json "$out/rollout_8b.json"
+  ;;
+rollout_invariant)
+  # The batch-invariant forward keeps bf16 speculative == plain bit for bit, so the oracle's
+  # drafts stay perfect (tau = k + 1); plain and speculative both pay its slower forward.
+  TAIL=20 step rollout_8b_invariant 320 python3 scripts/bench_rollout.py \
+    --config configs/qwen3_8b_shape.yaml --set model.batch_invariant=true --oracle 1.0 \
+    --ks 1,3,5 --batches 1,16,64 --rounds 3 --max-new-tokens 96 --bandwidth \
+    --json "$out/rollout_8b_invariant.json"
+  ;;
+kernels_b64)
+  step kernels_b64 60 python3 scripts/bench_kernels.py --backends reference,triton --batch 64 \
+    --max-len 1k,8k --nodes 16 --out "$out/kernels_b64.json"
+  ;;
+engine)
+  # Plain decode reached ~1/3 of the memory bound at 8B (docs/BENCHMARKS.md): scan vs unroll.
+  # If the scan is the cause, XLA's dynamic-slice fusion (weights read in place) may cure it.
+  step decode_8b 150 python3 scripts/bench_decode.py --config configs/qwen3_8b_shape.yaml \
+    --batches 1,16 --rounds 5 --json "$out/decode_8b.json"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step decode_8b_dsf 150 \
+    python3 scripts/bench_decode.py --config configs/qwen3_8b_shape.yaml --batches 1 --rounds 5 \
+    --json "$out/decode_8b_dsf.json"
+  sed 's/^  num_layers: 12 .*/  num_layers: 16/' configs/small.yaml >/tmp/m100.yaml
+  step decode_100m 90 python3 scripts/bench_decode.py --config /tmp/m100.yaml --batches 1 --rounds 5 \
+    --json "$out/decode_100m.json"
+  step attention_rollout 70 python3 scripts/bench_attention.py rollout --rounds 5
+  step attention_decode 60 python3 scripts/bench_attention.py decode --rounds 5
+  step attention_tree 60 python3 scripts/bench_attention.py tree --rounds 5
+  step kernels_b64 60 python3 scripts/bench_kernels.py --backends reference,triton --batch 64 \
+    --max-len 1k,8k --nodes 16 --out "$out/kernels_b64.json"
+  step longtail 150 python3 scripts/bench_longtail.py --rollouts 256 --slots 64 --rounds 3 \
+    --json "$out/longtail.json"
+  ;;
+*) echo "unknown phase $phase: check | tests | kernels | rollout | rollout_invariant | kernels_b64 | engine"; exit 2 ;;
+esac
+done
+echo "total +$(( $(date +%s) - start ))s"
