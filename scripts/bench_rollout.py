@@ -201,6 +201,8 @@ def _drafter(name, k, args, policy, head, small):
 def main(argv=None) -> int:
     args = _parse(argv)
     keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
+    if args.set and not args.config:
+        raise SystemExit(f"--set {args.set}: overrides a --config file's values; give --config")
     ks = [int(k) for k in args.ks.split(",") if k]
     if any(k < 1 for k in ks):
         raise SystemExit(f"--ks must be >= 1; got {ks}")
@@ -227,8 +229,6 @@ def main(argv=None) -> int:
         if {"draft_model", "draft_model_argmax"} & set(names) and not args.draft_model:
             raise SystemExit("--drafters draft_model needs --draft-model DIR")
 
-    if args.set and not args.config:
-        raise SystemExit("--set overrides a --config file's values; give --config")
     policy = _policy(args)
     vocab = policy.config.vocab_size
     bandwidth = read_bandwidth_gbps() if args.bandwidth else None

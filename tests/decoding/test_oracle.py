@@ -98,3 +98,39 @@ def test_bench_rollout_oracle_mode(tmp_path):
     assert row["efficiency"] == pytest.approx(row["speedup"] / row["bound"])
     with pytest.raises(SystemExit, match="--oracle"):
         bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.5"])
+
+
+def test_bench_rollout_overrides_and_memory_bound(tmp_path):
+    """--set overrides the config's model; --bandwidth reports plain decoding against the
+    bytes it must read per step, counted here from the shape alone (closed form)."""
+    import importlib.util
+    import json
+    import pathlib
+
+    from jaxspec.models import ModelConfig, Policy
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_rollout", root / "scripts" / "bench_rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.json"
+    assert bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--set", "model.num_layers=2",
+                       "--oracle", "1.0", "--ks", "1", "--batches", "1", "--max-new-tokens", "5",
+                       "--rounds", "1", "--bandwidth", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["read_bandwidth_gbps"] > 0
+    (row,) = result["rows"]
+    assert row["plain_of_memory_bound"] > 0 and row["plain_tokens_per_s"] > 0
+    # Weight and KV bytes of a decode step, from the architecture: a Qwen3 layer holds q, k,
+    # v, o, three MLP matrices, two norms and the q/k norms; untied, the input embedding is
+    # not read (only the looked-up rows), the LM head is.
+    cfg = ModelConfig.tiny("qwen3").replace(num_layers=3, tie_embeddings=False, vocab_size=50)
+    h, i, d, nh, kv = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads,
+                       cfg.num_kv_heads)
+    layer = h * nh * d * 2 + h * kv * d * 2 + 3 * h * i + 2 * h + 2 * d
+    weights = (cfg.num_layers * layer + h + h * cfg.vocab_size) * 4  # float32
+    kv_bytes = 2 * 10.5 * cfg.num_layers * 2 * kv * d * 4  # batch 2, 10.5 cached tokens
+    policy = Policy.abstract(cfg)
+    assert bench.decode_bytes(policy, 2, 10.5) == (weights, int(kv_bytes))
+    with pytest.raises(SystemExit, match="--set"):
+        bench.main(["--policy", str(tmp_path), "--set", "model.num_layers=2"])
