@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh check    # environment, HF parity, bf16 replay, an 8B smoke run
 #   bash scripts/gpu_session.sh tests    # the gpu-marked kernel tests and tests/decoding on CUDA
 #   bash scripts/gpu_session.sh kernels  # tree-attention backends on the full grid (~4 min)
+#   bash scripts/gpu_session.sh train    # the README's main job (configs/long.yaml) on CUDA
 #   bash scripts/gpu_session.sh rollout  # 8B-shaped oracle rollouts, batch 1-256, k 1/3/5 (~5 min)
 #   bash scripts/gpu_session.sh rollout_invariant  # the same with the batch-invariant forward
 #   bash scripts/gpu_session.sh kernels_b64        # issue 13's verify/decode row (batch 64, N 16)
@@ -12,7 +13,7 @@
 # each step's log goes to $OUT (or ./gpu_out) and its last lines to the console.
 # Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first.
 set -u
-[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|rollout|engine ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine ..."; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -50,11 +51,17 @@ check)
 tests)
   step kernel_tests 100 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider
   # -v: each result is logged as it completes, so a time limit still leaves the names.
-  TAIL=60 step decoding_tests "${DECODING_LIMIT:-240}" python3 -m pytest -v -n 8 tests/decoding \
+  # 175 s on 8 workers covered ~3/4 of tests/decoding on an H100: give it 300 s.
+  TAIL=60 step decoding_tests "${DECODING_LIMIT:-300}" python3 -m pytest -v -n 8 tests/decoding \
     -p no:cacheprovider --tb=line -rfE
   ;;
 kernels)
   TAIL=90 step kernels 260 python3 scripts/bench_kernels.py --out "$out/kernels.json"
+  ;;
+train)
+  # The README's main job end to end on CUDA (never run on a GPU before 2026-11-24's session).
+  TAIL=30 step train_long 300 python3 scripts/train_grpo.py configs/long.yaml run.dir=/tmp/gpu_long \
+    run.save_every=0 model.attention_backend=auto
   ;;
 rollout)
   TAIL=20 step rollout_8b 320 python3 scripts/bench_rollout.py --config configs/qwen3_8b_shape.yaml \
@@ -92,7 +99,7 @@ engine)
   step longtail 150 python3 scripts/bench_longtail.py --rollouts 256 --slots 64 --rounds 3 \
     --json "$out/longtail.json"
   ;;
-*) echo "unknown phase $phase: check | tests | kernels | rollout | rollout_invariant | kernels_b64 | engine"; exit 2 ;;
+*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine"; exit 2 ;;
 esac
 done
 echo "total +$(( $(date +%s) - start ))s"

@@ -37,3 +37,17 @@ def test_bench_costs_rejects_bad_shapes_and_batches():
         main(["--shapes", "big"])
     with pytest.raises(SystemExit, match=r"--batches '4,0' is invalid"):
         main(["--shapes", "2x64", "--batches", "4,0"])
+
+
+def test_gpu_session_refuses_an_unknown_phase(tmp_path):
+    """scripts/gpu_session.sh (run on a lent GPU only) parses, and names its phases."""
+    import subprocess
+
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_session.sh"), "nonsense"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "unknown phase nonsense" in done.stdout and "rollout_invariant" in done.stdout
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_session.sh")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "usage" in done.stdout

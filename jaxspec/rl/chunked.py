@@ -40,11 +40,13 @@ def lm_head(policy) -> tuple[jax.Array, int]:
 
 def _project(h, w, vocab_axis: int, invariant: bool):
     """h [..., H] @ w ([c, H] if vocab_axis == 0 else [H, c]) -> [..., c] float32, the
-    same op as the policy's own `Transformer.logits`."""
+    same op as the policy's own `Transformer.logits`, at the same precision (float32
+    weights: HIGHEST on every backend, as `Policy.forward` runs them; never TF32)."""
     if invariant:
         return invariant_dot(h, w.T if vocab_axis == 0 else w, jnp.float32)
     spec = "...h,vh->...v" if vocab_axis == 0 else "...h,hv->...v"
-    return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
+    precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+    return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32, precision=precision)
 
 
 def _weight_chunks(w, vocab_axis: int, chunk: int):
