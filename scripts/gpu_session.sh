@@ -8,12 +8,13 @@
 #   bash scripts/gpu_session.sh rollout  # 8B-shaped oracle rollouts, batch 1-256, k 1/3/5 (~5 min)
 #   bash scripts/gpu_session.sh rollout_invariant  # the same with the batch-invariant forward
 #   bash scripts/gpu_session.sh kernels_b64        # issue 13's verify/decode row (batch 64, N 16)
-#   bash scripts/gpu_session.sh engine   # issue 13's tables: decode bound, live-KV attention, long tail
+#   bash scripts/gpu_session.sh engine   # issue 13's tables: 8B and 100M decode bound, live-KV rollout
+#   bash scripts/gpu_session.sh engine2  # issue 13's tables: live-KV decode, tree proposal, long tail
 # Every step has its own time limit, so one that hangs or fails leaves the rest running;
 # each step's log goes to $OUT (or ./gpu_out) and its last lines to the console.
 # Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first.
 set -u
-[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine|engine2 ..."; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -88,10 +89,14 @@ engine)
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" step decode_8b_dsf 150 \
     python3 scripts/bench_decode.py --config configs/qwen3_8b_shape.yaml --batches 1 --rounds 5 \
     --json "$out/decode_8b_dsf.json"
-  sed 's/^  num_layers: 12 .*/  num_layers: 16/' configs/small.yaml >/tmp/m100.yaml
+  # small.yaml with 16 layers: issue 13's 100M policy
+  sed 's/^\(  num_layers:\) 12\b.*/\1 16/' configs/small.yaml >/tmp/m100.yaml
+  grep -q "^  num_layers: 16" /tmp/m100.yaml || echo "warning: /tmp/m100.yaml kept 12 layers"
   step decode_100m 90 python3 scripts/bench_decode.py --config /tmp/m100.yaml --batches 1 --rounds 5 \
     --json "$out/decode_100m.json"
   step attention_rollout 70 python3 scripts/bench_attention.py rollout --rounds 5
+  ;;
+engine2)  # the rest of issue 13's tables (engine alone fills a 10-minute call)
   step attention_decode 60 python3 scripts/bench_attention.py decode --rounds 5
   step attention_tree 60 python3 scripts/bench_attention.py tree --rounds 5
   step kernels_b64 60 python3 scripts/bench_kernels.py --backends reference,triton --batch 64 \
@@ -99,7 +104,7 @@ engine)
   step longtail 150 python3 scripts/bench_longtail.py --rollouts 256 --slots 64 --rounds 3 \
     --json "$out/longtail.json"
   ;;
-*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine"; exit 2 ;;
+*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2"; exit 2 ;;
 esac
 done
 echo "total +$(( $(date +%s) - start ))s"

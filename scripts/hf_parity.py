@@ -8,7 +8,8 @@ the CPU), for tiny random Qwen3 and Llama-3 checkpoints, per JAX matmul precisio
 On a CPU every precision is full float32 (errors ~1e-5 at logits of magnitude ~10). On a
 GPU, JAX's default precision for float32 matrix products may use reduced-precision units
 (TF32 on Ampere and Hopper): this prints how far that moves the logits, against the
-`highest` precision, which the float32 tests (tests/models/test_hf.py) require.
+`highest` precision, which `Policy.forward` uses for float32 policies (this script runs the
+forward beneath it, to show both).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" 
 from test_hf import SEQ, _hf_model, _randomise  # the suite's tiny checkpoints  # noqa: E402
 
 from jaxspec.models import load_hf  # noqa: E402
+from jaxspec.models.transformer import _forward  # noqa: E402
 
 
 def main() -> int:
@@ -44,8 +46,11 @@ def main() -> int:
             policy = load_hf(path)
             pos = np.tile(np.arange(SEQ, dtype=np.int32), (2, 1))
             for precision in ("default", "highest"):
+                # The module-level forward: Policy.forward itself fixes float32 at "highest"
+                # (jaxspec.models.transformer), which would hide what TF32 does.
                 with jax.default_matmul_precision(precision):
-                    logits, _, _ = jax.jit(lambda p, i, q: p.forward(i, q))(policy, ids.numpy(), pos)
+                    logits = jax.jit(lambda p, i, q: _forward(p, i, q, None, None, (), True)[0])(
+                        policy, ids.numpy(), pos)
                 err = float(np.max(np.abs(np.asarray(logits, np.float64) - ref)))
                 top = float(np.max(np.abs(ref)))
                 print(f"{name:<14}{precision:>10}{top:>13.2f}{err:>12.2e}{err / top:>11.2e}")

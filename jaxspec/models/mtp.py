@@ -141,7 +141,11 @@ class MTPHead:
         normed = self.module.norm(hidden.astype(self.config.layer.param_dtype))
         squeeze = normed.ndim == 2
         normed = normed[:, None] if squeeze else normed
-        logits = policy.module.logits(normed)
+        if policy.config.dtype == "float32":  # as Policy.forward runs the same LM head
+            with jax.default_matmul_precision("highest"):
+                logits = policy.module.logits(normed)
+        else:
+            logits = policy.module.logits(normed)
         return (logits[:, 0] if squeeze else logits), None
 
 

@@ -132,5 +132,8 @@ def test_bench_rollout_overrides_and_memory_bound(tmp_path):
     kv_bytes = 2 * 10.5 * cfg.num_layers * 2 * kv * d * 4  # batch 2, 10.5 cached tokens
     policy = Policy.abstract(cfg)
     assert bench.decode_bytes(policy, 2, 10.5) == (weights, int(kv_bytes))
+    # Tied: no separate LM head; the embedding table is read whole as the LM head.
+    tied = Policy.abstract(cfg.replace(tie_embeddings=True))
+    assert bench.decode_bytes(tied, 2, 10.5) == (weights, int(kv_bytes))
     with pytest.raises(SystemExit, match="--set"):
         bench.main(["--policy", str(tmp_path), "--set", "model.num_layers=2"])

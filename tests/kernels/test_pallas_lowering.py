@@ -13,11 +13,16 @@ JAX versions.
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir import ir
-from jax._src.lib.triton import dialect as tt_dialect
 
 from jaxspec.kernels.pallas import tree_attention_pallas
+
+try:  # JAX's private MLIR bindings: present in every jaxlib this project supports (>= 0.10)
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+except ImportError as e:  # a future jaxlib that moved them: say so rather than break collection
+    pytest.skip(f"JAX's private MLIR/Triton bindings moved ({e}); update this test",
+                allow_module_level=True)
 
 
 def _ops(op):
