@@ -28,6 +28,9 @@ def warm_up(policy: Policy, plan, warmup_cfg, seed: int, what: str, *,
     start = time.perf_counter()
     pairs = plan.task.supervised_examples(w.steps * w.batch_size, seed)
     tokens, mask = encode_pairs(plan.tokenizer, pairs)
+    # One compiled scan runs every step, so nothing is printed until it ends: say so first.
+    (log or _log.info)(f"warm-up ({what}): {w.steps} supervised steps of {w.batch_size} "
+                       "sequences, one compiled loop (no progress lines until it ends)")
     policy, losses = supervised_warmup(policy, tokens, mask, steps=w.steps,
                                        batch_size=w.batch_size, lr=w.lr)
     if history is not None:

@@ -91,6 +91,7 @@ class DraftLearner:
         metrics ('draft') and the token counts ('draft_token_counts')."""
         start = time.perf_counter()
         corpus, train_step = self._offline(policy, key, ref_params)
+        train_step = self._with_progress(train_step, start)
         head, opt_state, steps = init_eagle3_head(
             policy, corpus, draft_vocab_size=draft_vocab_size, key=key,
             steps=self.cfg.warmup.draft_steps, opt_state_init=self.optimizer.init,
@@ -104,6 +105,7 @@ class DraftLearner:
         policy's own rollouts, as `init_head` does for EAGLE-3. Returns (head, opt_state)."""
         start = time.perf_counter()
         corpus, train_step = self._offline(policy, key, None)
+        train_step = self._with_progress(train_step, start)
         head = MTPHead.init_for(policy, key)
         opt_state, steps = self.init_state(head), []
         for step in range(self.cfg.warmup.draft_steps):
@@ -137,6 +139,24 @@ class DraftLearner:
                 return self.update(head, opt_state, on_train, scored)
 
         return corpus, train_step
+
+    def _with_progress(self, train_step, start: float):
+        """train_step, logging a progress line every tenth of warmup.draft_steps (runs of
+        50 steps or more: the offline init is minutes on a CPU for mid-size policies)."""
+        total = self.cfg.warmup.draft_steps
+        every, done = max(total // 10, 1), [0]
+        self.log(f"draft init: rollouts generated ({time.perf_counter() - start:.1f}s); "
+                 f"{total} training steps")
+
+        def step(head, opt_state, batch):
+            out = train_step(head, opt_state, batch)
+            done[0] += 1
+            if total >= 50 and done[0] % every == 0 and done[0] < total:
+                self.log(f"draft init: step {done[0]}/{total}, draft loss "
+                         f"{float(out[2]['draft_loss']):.3f} ({time.perf_counter() - start:.0f}s)")
+            return out
+
+        return step
 
     def _report(self, history, corpus, steps: list[dict], start: float) -> None:
         if history is not None:
