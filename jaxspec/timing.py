@@ -35,6 +35,25 @@ def interleaved(fns: dict, rounds: int, *, warmup: bool = False, rotate: bool = 
     return times
 
 
+def machine() -> str:
+    """The machine a benchmark ran on, for its JSON: architecture, CPU model (from
+    /proc/cpuinfo where there is one), CPU count and JAX's device kind. The same command
+    measured 1.50x on one 2-core machine and 0.77x on another (docs/BENCHMARKS.md, "The main
+    job on a faster CPU"), so a figure without its CPU model cannot be compared."""
+    import os
+    import platform
+
+    model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return (f"{platform.machine()} {model} cpus={os.cpu_count()} "
+            f"device={jax.devices()[0].device_kind}").replace("  ", " ")
+
+
 def median_ratio(num, den) -> float:
     """The median over rounds of num[i] / den[i] (two lists of interleaved timings)."""
     return float(statistics.median(a / b for a, b in zip(num, den, strict=True)))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 
@@ -30,7 +29,7 @@ from jaxspec.host import keep_freed_memory
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.engine import generate
 from jaxspec.models import Policy
-from jaxspec.timing import interleaved, median_ratio
+from jaxspec.timing import interleaved, machine, median_ratio
 
 
 def _parse(argv=None):
@@ -113,7 +112,7 @@ def main(argv=None) -> int:
                              read_ms=read * 1e3, read_gbs=weight_bytes / read / 1e9))
             print(f"  {name:<16} step {step * 1e3:8.2f} ms   {of_bound:6.1%} of the read bound "
                   f"({weight_bytes / step / 1e9:.1f} GB/s effective)", flush=True)
-    result = dict(machine=f"{platform.machine()} {platform.processor() or ''}", backend=jax.default_backend(),
+    result = dict(machine=machine(), backend=jax.default_backend(),
                   config=args.config, params=base.num_params, weight_bytes=weight_bytes,
                   steps=args.steps, context=args.context, rounds=args.rounds, rows=rows,
                   argv=sys.argv[1:] if argv is None else list(argv))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -36,7 +35,7 @@ from jaxspec.models import load_hf
 from jaxspec.models.eagle3 import load_eagle3
 from jaxspec.rl.rollouts import leaders_first
 from jaxspec.rl.tasks import make_task
-from jaxspec.timing import interleaved
+from jaxspec.timing import interleaved, machine
 
 HELDOUT = 1_000_000
 NAMES = ("history", "eagle3", "hybrid", "ngram")
@@ -191,7 +190,7 @@ def main(argv=None):
             f"{summary[epoch][x]['speedup']:.2f}x" for x in NAMES)
             + f"; hybrid accepted drafts by source {src}")
     with open(args.json, "w") as fh:
-        json.dump({"args": vars(args), "machine": platform.platform(),
+        json.dump({"args": vars(args), "machine": machine(),
                    "cpus": jax.local_device_count(), "steps": out, "epochs": summary}, fh,
                   indent=1)
 
@@ -217,7 +216,7 @@ def _iteration_costs(args, run, drafters, batch_prompts, key):
         out[name] = {"ms_per_iteration": ms, "x_plain": ratio, "tau": tau}
         print(f"{name:>8} {ms:8.3f} {ratio:8.2f} {tau:6.2f}", flush=True)
     with open(args.json, "w") as fh:
-        json.dump({"args": vars(args), "machine": platform.platform(), "iteration_costs": out},
+        json.dump({"args": vars(args), "machine": machine(), "iteration_costs": out},
                   fh, indent=1)
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -45,7 +44,7 @@ from jaxspec.models import Policy, load_hf
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
 from jaxspec.models.mtp import MTPHead
 from jaxspec.rl.tasks import CharTokenizer, make_task
-from jaxspec.timing import interleaved, median_ratio
+from jaxspec.timing import interleaved, machine, median_ratio
 
 HELDOUT = 1_000_000  # task positions from here on are never used for training
 DRAFTERS = ("eagle3", "eagle3_argmax", "eagle3_untrained", "eagle3_tree", "ngram", "draft_model",
@@ -295,7 +294,7 @@ def main(argv=None) -> int:
                       + f"  same-as-plain {r['tokens_equal_plain']}", flush=True)
 
     result = dict(
-        machine=f"{platform.machine()} {platform.processor() or ''} / {jax.devices()[0].device_kind}",
+        machine=machine(),
         backend=jax.default_backend(), policy=args.policy or args.config, eagle3=args.eagle3,
         params=int(sum(x.size for x in jax.tree.leaves(policy.params))),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=args.method,
