@@ -12,7 +12,11 @@
 #   bash scripts/gpu_session.sh engine2  # issue 13's tables: live-KV decode, tree proposal, long tail
 # Every step has its own time limit, so one that hangs or fails leaves the rest running;
 # each step's log goes to $OUT (or ./gpu_out) and its last lines to the console.
-# Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first.
+# Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first;
+# the GPU image lacks both. Fetch them here (pure-Python wheels) and carry .whl:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 -d .whl jax-triton==0.3.1 tensorboardX==2.6.5
 set -u
 [ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine|engine2 ..."; exit 2; }
 out=${OUT:-gpu_out}
