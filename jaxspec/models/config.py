@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
 
+import jax
 import jax.numpy as jnp
 
 from jaxspec.kernels import BACKENDS
@@ -135,3 +137,16 @@ def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
     if num_layers <= 0:
         raise ValueError(f"num_layers={num_layers}; must be positive")
     return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))
+
+
+def matmul_precision(dtype):
+    """The context a policy's matrix products run in: precision HIGHEST for float32 weights
+    (full float32 on every backend), JAX's default otherwise. JAX's default on a GPU rounds
+    float32 operands to TF32, which moved logits by ~1e-3 relative on an H100 and, since a
+    verify forward and a decode forward then round differently, made speculative rollouts
+    differ from plain ones token for token (docs/BENCHMARKS.md, "On a GPU"). Every product
+    with the policy's weights goes through it: `Policy.forward`, the chunked training LM
+    head (jaxspec.rl.chunked) and the MTP head's use of the policy's LM head."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()

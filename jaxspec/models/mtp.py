@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.models.cache import KVCache, single_layer_forward
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.config import ModelConfig, matmul_precision
 from jaxspec.models.layers import DecoderLayer, RMSNorm, logical_param
 
 
@@ -141,10 +141,7 @@ class MTPHead:
         normed = self.module.norm(hidden.astype(self.config.layer.param_dtype))
         squeeze = normed.ndim == 2
         normed = normed[:, None] if squeeze else normed
-        if policy.config.dtype == "float32":  # as Policy.forward runs the same LM head
-            with jax.default_matmul_precision("highest"):
-                logits = policy.module.logits(normed)
-        else:
+        with matmul_precision(policy.config.dtype):  # as Policy.forward runs this LM head
             logits = policy.module.logits(normed)
         return (logits[:, 0] if squeeze else logits), None
 

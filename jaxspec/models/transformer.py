@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxspec.kernels import CacheLayer
 from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.config import ModelConfig, matmul_precision
 from jaxspec.kernels.invariant import invariant_dot
 from jaxspec.models.layers import INIT_STD, DecoderLayer, RMSNorm, logical_param
 
@@ -317,17 +317,11 @@ class Policy:
         the final norm), HF's hidden_states[i + 1] (HF reports the last layer after the
         final norm). With cache=None nothing is stored and None is returned.
 
-        A float32 policy computes its matrix products in full float32 on every backend
-        (precision HIGHEST): JAX's default on a GPU rounds float32 operands to TF32, which
-        moved logits by ~1e-3 relative on an H100 and, since a verify forward and a decode
-        forward then round differently, made speculative rollouts differ from plain ones
-        token for token (docs/BENCHMARKS.md, "GPU"). bfloat16 policies are unaffected.
+        A float32 policy computes its matrix products in full float32 on every backend, never
+        TF32 (`matmul_precision`).
         """
-        if self.config.dtype == "float32":
-            with jax.default_matmul_precision("highest"):
-                return self._forward(tokens, positions, cache, mask=mask, capture=capture,
-                                     head=head)
-        return self._forward(tokens, positions, cache, mask=mask, capture=capture, head=head)
+        with matmul_precision(self.config.dtype):
+            return self._forward(tokens, positions, cache, mask=mask, capture=capture, head=head)
 
     def _forward(self, tokens, positions, cache, *, mask, capture, head):
         cfg = self.config

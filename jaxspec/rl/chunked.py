@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxspec.decoding.sampling import SamplingConfig, process_logits
 from jaxspec.kernels.invariant import invariant_dot
+from jaxspec.models.config import matmul_precision
 
 __all__ = ["accumulate_gradients", "argmax", "dense_logprobs", "join_rows", "lm_head", "soft_cross_entropy", "split_rows",
            "token_logprobs"]
@@ -40,13 +41,13 @@ def lm_head(policy) -> tuple[jax.Array, int]:
 
 def _project(h, w, vocab_axis: int, invariant: bool):
     """h [..., H] @ w ([c, H] if vocab_axis == 0 else [H, c]) -> [..., c] float32, the
-    same op as the policy's own `Transformer.logits`, at the same precision (float32
-    weights: HIGHEST on every backend, as `Policy.forward` runs them; never TF32)."""
+    same op as the policy's own `Transformer.logits`, at the same precision
+    (`matmul_precision`: float32 weights never run as TF32)."""
     if invariant:
         return invariant_dot(h, w.T if vocab_axis == 0 else w, jnp.float32)
     spec = "...h,vh->...v" if vocab_axis == 0 else "...h,hv->...v"
-    precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-    return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32, precision=precision)
+    with matmul_precision(w.dtype):
+        return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
 
 
 def _weight_chunks(w, vocab_axis: int, chunk: int):

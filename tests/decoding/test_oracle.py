@@ -76,17 +76,24 @@ def test_oracle_rejects_bad_settings(setup):
         generate(policy, (tokens, lengths), drafter=wrong, **common)
 
 
-def test_bench_rollout_oracle_mode(tmp_path):
-    """scripts/bench_rollout.py --oracle on a config's random policy: one row per (batch, k)
-    with speedup, tau, verify cost, bound and efficiency; perfect drafts emit k+1 per forward."""
+def _bench_rollout():
+    """(repository root, scripts/bench_rollout.py loaded as a module)."""
     import importlib.util
-    import json
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("bench_rollout", root / "scripts" / "bench_rollout.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return root, bench
+
+
+def test_bench_rollout_oracle_mode(tmp_path):
+    """scripts/bench_rollout.py --oracle on a config's random policy: one row per (batch, k)
+    with speedup, tau, verify cost, bound and efficiency; perfect drafts emit k+1 per forward."""
+    import json
+
+    root, bench = _bench_rollout()
     out = tmp_path / "b.json"
     assert bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.0",
                        "--ks", "2", "--batches", "2", "--max-new-tokens", "9", "--rounds", "1",
@@ -103,16 +110,11 @@ def test_bench_rollout_oracle_mode(tmp_path):
 def test_bench_rollout_overrides_and_memory_bound(tmp_path):
     """--set overrides the config's model; --bandwidth reports plain decoding against the
     bytes it must read per step, counted here from the shape alone (closed form)."""
-    import importlib.util
     import json
-    import pathlib
 
     from jaxspec.models import ModelConfig, Policy
 
-    root = pathlib.Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("bench_rollout", root / "scripts" / "bench_rollout.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    root, bench = _bench_rollout()
     out = tmp_path / "b.json"
     assert bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--set", "model.num_layers=2",
                        "--oracle", "1.0", "--ks", "1", "--batches", "1", "--max-new-tokens", "5",

@@ -14,15 +14,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxspec.kernels.pallas import tree_attention_pallas
+# JAX's private MLIR bindings (every jaxlib this project supports, >= 0.10, has them): if a
+# future one moves them, this import fails loudly and the test needs updating.
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
 
-try:  # JAX's private MLIR bindings: present in every jaxlib this project supports (>= 0.10)
-    from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.triton import dialect as tt_dialect
-except ImportError as e:  # a future jaxlib that moved them: say so rather than break collection
-    pytest.skip(f"JAX's private MLIR/Triton bindings moved ({e}); update this test",
-                allow_module_level=True)
+from jaxspec.kernels.pallas import tree_attention_pallas
 
 
 def _ops(op):
