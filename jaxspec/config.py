@@ -91,6 +91,7 @@ _LIBRARY = {
     "ModelConfig": "jaxspec.models.config",
     "NGramDrafter": "jaxspec.decoding.drafters",
     "HistoryDrafter": "jaxspec.decoding.history",
+    "HybridDrafter": "jaxspec.decoding.history",
     "SamplingConfig": "jaxspec.decoding.sampling",
     "TreeSpec": "jaxspec.decoding.drafters",
 }
@@ -476,6 +477,9 @@ class HistorySpec(_Section):
     max_matches: int = _library_default("HistoryDrafter", "max_matches")  # merged per row
     prompts: int = _field(64, **_ge(1))  # prompt slots in the store
     per_prompt: int = _field(4, **_ge(1))  # stored rollouts per prompt (a ring)
+    # hybrid: the head drafts only in iterations where some live row's history has no
+    # full-depth path (false: at every iteration)
+    gate_head: bool = _library_default("HybridDrafter", "gate")
 
     def drafter_settings(self, k: int) -> dict:
         """The HistoryDrafter keywords of these fields (depth: `depth`, else k)."""

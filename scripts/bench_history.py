@@ -70,6 +70,9 @@ def _parse(argv=None):
                    help="instead of the epochs: the time of one loop iteration of each drafter "
                         "(and plain) on the first step's prompts, without stored history: "
                         "(time of 60 iterations - time of 20) / 40, rounds interleaved")
+    p.add_argument("--ungated", action="store_true",
+                   help="also time the hybrid without its head gate (HybridDrafter(gate=False): "
+                        "the head drafts at every iteration), as 'hybrid_ungated'")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_history.json")
@@ -102,9 +105,13 @@ def main(argv=None):
         hist_h = HistoryDrafter.for_batch(groups, store=store, prompt_keys=keys,
                                           budget=args.hybrid_budget, **settings)
         chain = Eagle3Drafter(head, k=args.k, coupled=not args.argmax)
-        return {"history": hist, "eagle3": chain,
-                "hybrid": HybridDrafter(hist_h, chain, budget=args.hybrid_budget),
-                "ngram": NGramDrafter(k=args.k, min_n=1, max_n=3), "plain": None}
+        out = {"history": hist, "eagle3": chain,
+               "hybrid": HybridDrafter(hist_h, chain, budget=args.hybrid_budget),
+               "ngram": NGramDrafter(k=args.k, min_n=1, max_n=3), "plain": None}
+        if args.ungated:
+            out["hybrid_ungated"] = HybridDrafter(hist_h, chain, budget=args.hybrid_budget,
+                                                  gate=False)
+        return out
 
     refill = args.slots is not None and args.slots < n * g
     start_order = leaders_first(n, g) if refill else None
@@ -124,9 +131,10 @@ def main(argv=None):
     for d in drafters(first).values():
         run(d, first, jax.random.key(10**6), np.arange(len(first), dtype=np.int32))
 
+    names = NAMES + (("hybrid_ungated",) if args.ungated else ())
     out = []
     print(f"{'epoch':>5} {'step':>4} {'len':>5} " + " ".join(f"{x + ' tau':>11} {x + ' x':>9}"
-                                                          for x in NAMES))
+                                                          for x in names))
     for epoch in range(args.epochs):
         for s in range(steps_per_epoch):
             step = epoch * steps_per_epoch + s
@@ -148,7 +156,7 @@ def main(argv=None):
             plain = results["plain"]
             row = {"epoch": epoch, "step": step,
                    "mean_length": float(np.mean(np.asarray(plain.lengths)))}
-            for name in NAMES:
+            for name in names:
                 res = results[name]
                 same = bool(np.array_equal(np.asarray(res.tokens), np.asarray(plain.tokens)))
                 row[name] = {
@@ -159,12 +167,13 @@ def main(argv=None):
                     "equals_plain": same,
                 }
             src = {k: int(v) for k, v in results["hybrid"].draft_stats.items()}
-            row["hybrid"]["accepted_by_source"] = src  # drafts: history only, head only, both
+            # drafts by source (history only, head only, both); proposals with/without the head
+            row["hybrid"]["accepted_by_source"] = src
             row["plain_time_s"] = float(statistics.median(times["plain"]))
             row["history_rollouts"] = store.size()
             out.append(row)
             print(f"{epoch:>5} {step:>4} {row['mean_length']:>5.1f} " + " ".join(
-                f"{row[x]['acceptance_length']:>11.2f} {row[x]['speedup']:>8.2f}x" for x in NAMES),
+                f"{row[x]['acceptance_length']:>11.2f} {row[x]['speedup']:>8.2f}x" for x in names),
                 flush=True)
             # the trainer's update after the step: prompt + completion of every rollout
             lens = np.asarray(plain.lengths)
@@ -178,17 +187,17 @@ def main(argv=None):
     for epoch in range(args.epochs):
         rows_e = [r for r in out if r["epoch"] == epoch]
         src = {k: sum(r["hybrid"]["accepted_by_source"][k] for r in rows_e)
-               for k in ("history_only", "head_only", "both")}
+               for k in ("history_only", "head_only", "both", "head_drafted", "head_skipped")}
         summary[epoch] = {x: {"acceptance_length": float(np.mean([r[x]["acceptance_length"]
                                                                   for r in rows_e])),
                               "speedup": float(statistics.median([r[x]["speedup"]
                                                                   for r in rows_e]))}
-                          for x in NAMES}
+                          for x in names}
         summary[epoch]["hybrid"]["accepted_by_source"] = src
         print(f"epoch {epoch}: " + ", ".join(
             f"{x} tau {summary[epoch][x]['acceptance_length']:.2f} "
-            f"{summary[epoch][x]['speedup']:.2f}x" for x in NAMES)
-            + f"; hybrid accepted drafts by source {src}")
+            f"{summary[epoch][x]['speedup']:.2f}x" for x in names)
+            + f"; hybrid accepted drafts by source and head calls {src}")
     with open(args.json, "w") as fh:
         json.dump({"args": vars(args), "machine": machine(),
                    "cpus": jax.local_device_count(), "steps": out, "epochs": summary}, fh,

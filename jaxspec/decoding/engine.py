@@ -601,6 +601,7 @@ def _generate_jit(
             verifier_noise=noise,
             finished=Finished(prompt_tokens, prompt_lengths, s.out_tokens, s.out_lengths)
             if refill else None,
+            live=active,
         )
         draft_state, pending, pending_prompt, flushed = s.draft_state, s.pending, s.pending_prompt, 0
         st_iter = s.stats.target_forwards

@@ -267,8 +267,8 @@ def _select(tokens, parents, depths, scores, present, budget: int, max_depth: in
     -> (Tree, extra of the kept nodes [B, budget], 0 at absent ones)."""
     batch, size = tokens.shape
     if size < budget:  # pad the pool with absent nodes
-        extra = budget - size
-        pad = lambda x, v: jnp.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
+        more = budget - size
+        pad = lambda x, v: jnp.pad(x, ((0, 0), (0, more)), constant_values=v)  # noqa: E731
         tokens, parents, depths = pad(tokens, -1), pad(parents, -1), pad(depths, 1)
         scores, present = pad(scores, 0.0), pad(present, False)
         extra = None if extra is None else pad(extra, 0)
@@ -397,14 +397,29 @@ def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
     return jnp.stack(tokens, 1), jnp.stack(logps, 1)
 
 
-def merge_chain(pool, chain_tokens, chain_scores):
+def _ring_write(ring: Observation, obs: Observation) -> Observation:
+    """`obs`'s entries written into `ring` ([B, W]) at slot position % W: the ring keeps each
+    row's last W positions (an entry more than W before the row's newest is dropped)."""
+    w = ring.positions.shape[1]
+    pos = obs.positions
+    newest = jnp.max(pos, axis=1, keepdims=True)
+    keep = (pos >= 0) & (pos > newest - w)
+    slot = jnp.where(keep, pos % w, w)  # w: out of range, dropped
+    rows = jnp.arange(pos.shape[0])[:, None]
+    return jax.tree.map(lambda r, x: r.at[rows, slot].set(x.astype(r.dtype), mode="drop"), ring, obs)
+
+
+def merge_chain(pool, chain_tokens, chain_scores, chain_present=None):
     """A history pool (from `_trie`) with a chain appended: a chain node whose path is
     already a present pool node becomes that node (score: the larger of the two).
-    chain_tokens, chain_scores: [B, c]. -> (the merged pool, same layout, size + c; each
-    node's source [B, size + c] int32: HISTORY, HEAD or HISTORY | HEAD)."""
+    chain_tokens, chain_scores: [B, c]; chain_present: [] or [B] bool, False: no chain (its
+    nodes absent, the pool unchanged; None: True). -> (the merged pool, same layout,
+    size + c; each node's source [B, size + c] int32: HISTORY, HEAD or HISTORY | HEAD)."""
     tokens, parents, depths, scores, present = pool
     batch, size = tokens.shape
     c = chain_tokens.shape[1]
+    on = jnp.broadcast_to(True if chain_present is None else chain_present, (batch,))
+    chain_tokens = jnp.where(on[:, None], chain_tokens, -2)  # -2 matches no pool node
     b = jnp.arange(batch)[:, None]
     # path_eq[b, p]: pool node p's path equals the chain's first depth(p) tokens
     path_eq = jnp.zeros((batch, size), bool)
@@ -424,7 +439,7 @@ def merge_chain(pool, chain_tokens, chain_scores):
         new_par.append(prev)
         new_dep.append(jnp.full((batch,), j + 1, jnp.int32))
         new_score.append(chain_scores[:, j])
-        new_present.append(~dup)
+        new_present.append(~dup & on)
         prev = jnp.where(dup, twin, size + j)
     st = lambda xs: jnp.stack(xs, 1)  # noqa: E731
     cat = lambda a, x: jnp.concatenate([a, st(x)], axis=1)  # noqa: E731
@@ -441,17 +456,35 @@ class HybridState:
     parents: jax.Array  # [B, N] int32
     source: jax.Array  # [B, N] int32 source bits of each node (HISTORY, HEAD)
     accepted: jax.Array  # [3] int32 accepted drafts from history only, head only, both
+    # [2] int32 proposals where the head drafted / was skipped (`HybridDrafter.gate`)
+    head_calls: jax.Array
+    # gate: committed entries [B, window] the head has not observed yet, a ring keyed by
+    # position (None without the gate: the head observes every step)
+    pending: Observation | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridDrafter:
     """One tree from the history trie and an EAGLE-3 chain, `budget` nodes scored on one
-    scale (see the module docstring); the head's state and forwards are the chain's."""
+    scale (see the module docstring); the head's state and forwards are the chain's.
+
+    `gate` (default True): the head runs only in iterations where some live row's history
+    pool has no path as deep as `history.k` (no full-depth match: a leader with no sibling
+    ahead, a prompt not seen before, a suffix never seen). When every live row has one, the
+    tree is the history's best `budget` nodes and the head does nothing: no draft, and no
+    observation either. The committed entries wait in a ring of the last `window` positions
+    per row and the head observes them in one forward just before its next draft (older
+    ones it never sees: a draft after a long history stretch has less context; lossless
+    anyway). False: the head observes and drafts at every iteration. (RolloutStats'
+    draft_forwards counts the head's forwards as if it ran every iteration; `draft_stats`
+    has the iterations it did run.)"""
 
     history: HistoryDrafter
     head: Eagle3Drafter  # a chain drafter (tree None)
     budget: int = dataclasses.field(default=6, metadata=dict(static=True))
+    gate: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    window: int = dataclasses.field(default=16, metadata=dict(static=True))  # gate: ring size
 
     def __post_init__(self):
         if not isinstance(self.history, HistoryDrafter):
@@ -461,6 +494,10 @@ class HybridDrafter:
             raise TypeError("HybridDrafter.head must be an Eagle3Drafter drafting a chain "
                             "(tree=None)")
         _check_int("HybridDrafter", "budget", self.budget, self.head.k)
+        if not isinstance(self.gate, bool):
+            raise ValueError(f"HybridDrafter.gate must be True or False; got {self.gate!r}")
+        # a verify commits up to max_depth + 1 entries, all of which the ring must hold
+        _check_int("HybridDrafter", "window", self.window, self.max_depth + 1)
 
     num_nodes = property(lambda self: self.budget)
     max_depth = property(lambda self: max(self.history.k, self.head.k))
@@ -478,8 +515,17 @@ class HybridDrafter:
     def init_state(self, policy, batch, max_len):
         self.history.init_state(policy, batch, max_len)
         none = jnp.full((batch, self.budget), -1, jnp.int32)
+        pending = None
+        if self.gate:
+            w, hidden = self.window, policy.config.hidden_size
+            zeros = jnp.zeros((batch, w), jnp.int32)
+            pending = Observation(
+                fed_tokens=zeros, next_tokens=zeros, positions=jnp.full((batch, w), -1, jnp.int32),
+                captured={layer: jnp.zeros((batch, w, hidden), policy.config.param_dtype)
+                          for layer in self.head.capture_layers})
         return HybridState(self.head.init_state(policy, batch, max_len), none, none,
-                           jnp.zeros_like(none), jnp.zeros((3,), jnp.int32))
+                           jnp.zeros_like(none), jnp.zeros((3,), jnp.int32),
+                           jnp.zeros((2,), jnp.int32), pending)
 
     def observe(self, state: HybridState, policy, obs: Observation):
         # Which proposed nodes the policy accepted: entries 1.. of the observation follow the
@@ -495,19 +541,51 @@ class HybridDrafter:
             accepted = accepted + jnp.stack([jnp.sum(hit & (src == s)) for s in
                                              (HISTORY, HEAD, HISTORY | HEAD)]).astype(jnp.int32)
             current = jnp.where(hit, node, -2)
+        if self.gate:  # the head observes later, just before it drafts
+            return dataclasses.replace(state, accepted=accepted,
+                                       pending=_ring_write(state.pending, obs))
         head = self.head.observe(state.head, policy, obs)
         return dataclasses.replace(state, head=head, accepted=accepted)
 
+    def _flush_and_draft(self, state: HybridState, policy, ctx: DraftContext):
+        """The head observes its pending entries (in position order), then drafts its chain.
+        -> (chain, log-probs, head state, the emptied ring)."""
+        ring = state.pending
+        order = jnp.argsort(jnp.where(ring.positions >= 0, ring.positions, jnp.iinfo(jnp.int32).max),
+                            axis=1)
+        ordered = jax.tree.map(
+            lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
+            ring)
+        head = self.head.observe(state.head, policy, ordered)
+        chain, logp = _head_chain(self.head, head, policy, ctx)
+        return chain, logp, head, dataclasses.replace(ring, positions=jnp.full_like(ring.positions, -1))
+
     def propose(self, state: HybridState, policy, ctx: DraftContext):
         pool, _ = self.history.pool(ctx)
-        chain, logp = _head_chain(self.head, state.head, policy, ctx)
-        merged, source = merge_chain(pool, chain, jnp.exp(logp))
+        if self.gate:  # the head only where some live row's history has no full-depth path
+            _, _, depths, _, present = pool
+            covered = jnp.any(present & (depths == self.history.k), axis=1)
+            live = jnp.ones_like(covered) if ctx.live is None else ctx.live
+            use_head = jnp.any(live & ~covered)
+            batch, k = covered.shape[0], self.head.k
+            chain, logp, head, pending = jax.lax.cond(
+                use_head, lambda: self._flush_and_draft(state, policy, ctx),
+                lambda: (jnp.zeros((batch, k), jnp.int32), jnp.zeros((batch, k), jnp.float32),
+                         state.head, state.pending))
+            state = dataclasses.replace(state, head=head, pending=pending)
+        else:
+            use_head = jnp.asarray(True)
+            chain, logp = _head_chain(self.head, state.head, policy, ctx)
+        merged, source = merge_chain(pool, chain, jnp.exp(logp), chain_present=use_head)
         tree, source = _select(*merged, self.budget, self.max_depth, extra=source)
+        calls = state.head_calls + jnp.stack([use_head, ~use_head]).astype(jnp.int32)
         state = dataclasses.replace(state, tokens=tree.tokens, parents=tree.parents,
-                                    source=source)
+                                    source=source, head_calls=calls)
         return tree, None, state
 
     def draft_stats(self, state: HybridState) -> dict:
-        """Accepted drafts by source: {'history_only', 'head_only', 'both'} counts."""
-        a = state.accepted
-        return {"history_only": a[0], "head_only": a[1], "both": a[2]}
+        """Accepted drafts by source ('history_only', 'head_only', 'both') and proposals
+        where the head drafted or was skipped ('head_drafted', 'head_skipped')."""
+        a, c = state.accepted, state.head_calls
+        return {"history_only": a[0], "head_only": a[1], "both": a[2],
+                "head_drafted": c[0], "head_skipped": c[1]}

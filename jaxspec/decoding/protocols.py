@@ -66,6 +66,9 @@ class DraftContext:
     # the call's rollouts that have left their slots (only with continuous batching: a
     # drafter may read a finished rollout, e.g. a sibling of the same prompt); None otherwise
     finished: Finished | None = None
+    # [B] bool: rows still generating (False: finished, or an empty slot); None: every row.
+    # A drafter may skip work that only dead rows would need (`HybridDrafter`'s head gate).
+    live: jax.Array | None = None
 
     @property
     def root(self) -> jax.Array:  # [B]

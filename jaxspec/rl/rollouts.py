@@ -132,7 +132,8 @@ def make_drafter(draft_cfg, tree, head=None, draft_model=None, *, history=None, 
         if d.kind == "history":
             return drafter
         chain = drafters_lib.Eagle3Drafter(head, k=d.k, coupled=d.coupled)
-        return history_lib.HybridDrafter(drafter, chain, budget=d.history.budget)
+        return history_lib.HybridDrafter(drafter, chain, budget=d.history.budget,
+                                         gate=d.history.gate_head)
     if d.kind == "eagle3":
         return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree, coupled=d.coupled)
     if d.kind == "mtp":

@@ -323,7 +323,7 @@ class GRPOTrainer:
             m["history/rollouts"] = s.history.size()
             m["history/tokens"] = s.history.stored_tokens()
         for k, v in self.rollouts.draft_stats.pop(done, {}).items():  # hybrid: by source
-            m[f"spec/accepted_{k}"] = v
+            m[f"spec/{k}" if k in ("head_drafted", "head_skipped") else f"spec/accepted_{k}"] = v
         if reuse.get("reuse/reused"):  # old == generation by construction: log the measured
             m["grpo/logprob_mismatch_max"] = reuse["reuse/mismatch_max"]
             m["grpo/logprob_mismatch_mean"] = reuse["reuse/mismatch_mean"]

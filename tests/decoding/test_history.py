@@ -9,6 +9,7 @@ probability at most 2e-5 (on top of the 1e-4 of tests/decoding's other law tests
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,7 +41,7 @@ from jaxspec.decoding.history import (
     prompt_key,
     sibling_table,
 )
-from jaxspec.decoding.protocols import DraftContext
+from jaxspec.decoding.protocols import DraftContext, Observation
 from jaxspec.decoding.sampling import gumbel_noise
 from jaxspec.decoding.verify import _verify_rejection
 from jaxspec.models import ModelConfig, Policy
@@ -237,10 +238,55 @@ def test_speculative_equals_plain(policy, history_store, kind, temperature):
     if temperature == 0.0:  # identical greedy siblings: the group drafts for itself
         assert spec.stats.acceptance_length > 2.0
     if kind == "hybrid":  # accepted drafts by source: every emitted draft counted once
-        by_source = sum(int(v) for v in spec.draft_stats.values())
+        by_source = sum(int(spec.draft_stats[s]) for s in ("history_only", "head_only", "both"))
         assert by_source == int(np.sum(spec.stats.accepted_at))
         assert by_source > 0 or temperature > 0
-        assert set(spec.draft_stats) == {"history_only", "head_only", "both"}
+        assert set(spec.draft_stats) == {"history_only", "head_only", "both", "head_drafted",
+                                         "head_skipped"}
+        # one gate decision per proposal (the head drafts, or is skipped)
+        calls = int(spec.draft_stats["head_drafted"]) + int(spec.draft_stats["head_skipped"])
+        assert calls == int(spec.stats.target_forwards)
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_hybrid_gate_drafts_the_head_only_where_history_falls_short(policy, seed):
+    """The gate against the brute-force lookup: a row is covered when one of its matches
+    continues a full `history.k` tokens. With every live row covered the head is skipped and
+    the tree is the history's best `budget` paths; with one uncovered live row the head
+    drafts, and a gate-less hybrid proposes the same tree."""
+    case = _random_case(seed, vocab=4)  # seeds with both covered and uncovered rows
+    groups, buffer, lengths, store_tokens, store_lengths, slots = case
+    k, budget = 3, 6
+    history = _drafter_for(case, k=k, budget=budget, min_n=1, max_n=3, max_matches=6)
+    ref = _reference_lookup(buffer, lengths, sibling_table(groups), store_tokens, store_lengths,
+                            slots, k=k, min_n=1, max_n=3, max_matches=6)
+    covered = np.array([any(len(m) == k for m in matches) for _, matches in ref])
+    assert covered.any() and not covered.all()  # non-trivial: both kinds of row
+    head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
+    gated = HybridDrafter(history, Eagle3Drafter(head, k=2), budget=budget)
+    always = dataclasses.replace(gated, gate=False)
+    state = gated.init_state(policy, len(lengths), buffer.shape[1])
+
+    @jax.jit
+    def propose(drafter, live):
+        ctx = dataclasses.replace(_context(buffer, lengths), live=live)
+        tree, _, st = drafter.propose(state, policy, ctx)
+        return tree, st.source, drafter.draft_stats(st)
+
+    tree, source, stats = propose(gated, jnp.asarray(covered))  # uncovered rows not live
+    assert (int(stats["head_drafted"]), int(stats["head_skipped"])) == (0, 1)
+    assert np.all(np.asarray(source)[np.asarray(tree.tokens) >= 0] == HISTORY)
+    for b, (_, matches) in enumerate(ref):
+        assert _tree_paths(tree, b) == _reference_tree(matches, budget), b
+    live = covered.copy()
+    live[np.flatnonzero(~covered)[0]] = True  # one uncovered live row: the head drafts
+    tree, source, stats = propose(gated, jnp.asarray(live))
+    assert (int(stats["head_drafted"]), int(stats["head_skipped"])) == (1, 0)
+    assert np.any(np.asarray(source) & HEAD)
+    tree_always, _, stats = propose(always, jnp.asarray(covered))
+    assert (int(stats["head_drafted"]), int(stats["head_skipped"])) == (1, 0)
+    for b in range(len(lengths)):
+        assert _tree_paths(tree, b) == _tree_paths(tree_always, b), b
 
 
 def test_merge_chain_dedups_and_tracks_sources():
@@ -341,3 +387,61 @@ def test_joint_law_negative_control():
     counts = np.bincount(np.asarray(codes), minlength=VOCAB**4)
     p_value, statistic, _ = law_test(counts, exact_joint_law(TARGET, 3))
     assert p_value <= LAW_ALPHA, f"breach passed: chi-square {statistic:.1f}, p {p_value:.3g}"
+
+
+def _observations(policy, head, batch, steps, width, seed):
+    """`steps` observations of `width` entries per row, positions continuing from 0 with a
+    random number of valid entries per row and step (the rest padding -1)."""
+    rng = np.random.default_rng(seed)
+    hidden, vocab = policy.config.hidden_size, policy.config.vocab_size
+    nxt = np.zeros(batch, np.int64)
+    out = []
+    for _ in range(steps):
+        n = rng.integers(1, width + 1, batch)
+        pos = np.where(np.arange(width)[None] < n[:, None], nxt[:, None] + np.arange(width)[None], -1)
+        nxt = nxt + n
+        out.append(Observation(
+            fed_tokens=jnp.asarray(rng.integers(0, vocab, (batch, width)), jnp.int32),
+            next_tokens=jnp.asarray(rng.integers(0, vocab, (batch, width)), jnp.int32),
+            positions=jnp.asarray(pos, jnp.int32),
+            captured={layer: jnp.asarray(rng.normal(size=(batch, width, hidden)), jnp.float32)
+                      for layer in head.capture_layers}))
+    return out
+
+
+@pytest.mark.parametrize("steps", [3, 6])
+def test_gated_head_observes_the_ring_as_it_would_have_step_by_step(policy, steps):
+    """The gate's deferred observation against the head observing at every step: after 3
+    steps (<= 12 entries per row, the ring holds all of them) the flushed head's state (its
+    cache and last hidden state) equals the step-by-step one; after 6 (up to 24 entries) the
+    ring keeps each row's last 16 positions, and the flush equals observing exactly those
+    entries step by step."""
+    head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
+    chain = Eagle3Drafter(head, k=2)
+    hybrid = HybridDrafter(HistoryDrafter.for_batch([0, 0, 1], k=3, budget=4), chain, budget=4)
+    batch, max_len = 3, 48
+    obs = _observations(policy, head, batch, steps, 4, seed=steps)
+    state = hybrid.init_state(policy, batch, max_len)
+    for o in obs:
+        state = hybrid.observe(state, policy, o)
+    flushed = jax.jit(lambda s: hybrid._flush_and_draft(s, policy, _context(
+        np.zeros((batch, max_len), np.int32), np.full(batch, 1, np.int32)))[2])(state)
+    # the reference: the chain drafter's own observe, step by step, over the entries the ring
+    # keeps (each row's last 16 positions)
+    newest = np.max([np.asarray(o.positions).max(axis=1) for o in obs], axis=0)
+    want = chain.init_state(policy, batch, max_len)
+    for o in obs:
+        pos = np.asarray(o.positions)
+        kept = (pos >= 0) & (pos > newest[:, None] - 16)
+        want = chain.observe(want, policy, dataclasses.replace(
+            o, positions=jnp.asarray(np.where(kept, pos, -1), jnp.int32)))
+    if steps == 3:
+        assert np.all(newest + 1 <= 16)  # nothing dropped
+    else:
+        assert np.any(newest + 1 > 16)  # entries were dropped: the overflow case is exercised
+    np.testing.assert_array_equal(flushed.cache.lengths, want.cache.lengths)
+    for b in range(batch):
+        n = int(want.cache.lengths[b])
+        np.testing.assert_allclose(flushed.cache.k[:, b, :n], want.cache.k[:, b, :n], atol=1e-5)
+        np.testing.assert_allclose(flushed.cache.v[:, b, :n], want.cache.v[:, b, :n], atol=1e-5)
+    np.testing.assert_allclose(flushed.last_hidden, want.last_hidden, atol=1e-4)

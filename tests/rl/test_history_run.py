@@ -137,3 +137,15 @@ def test_history_run_with_fewer_slots_than_rollouts(tmp_path, monkeypatch):
     out = rows(tmp_path)
     assert [r["replay_identical"] for r in out] == [1.0, 1.0]
     assert out[-1]["history/rollouts"] == 8 and trainer.state.history.size() == 8
+
+
+def test_hybrid_run_logs_sources_and_head_calls(tmp_path):
+    """draft.kind hybrid in the trainer: every step equals plain decoding, logs accepted
+    drafts by source under spec/accepted_*, and one head-gate decision per loop iteration
+    (spec/head_drafted + spec/head_skipped = spec/target_forwards)."""
+    GRPOTrainer(make_config(tmp_path, "draft.kind=hybrid", "run.steps=2")).run()
+    for r in rows(tmp_path):
+        assert r["replay_identical"] == 1.0
+        assert {"spec/accepted_history_only", "spec/accepted_head_only",
+                "spec/accepted_both"} <= set(r)
+        assert r["spec/head_drafted"] + r["spec/head_skipped"] == r["spec/target_forwards"]
