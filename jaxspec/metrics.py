@@ -192,7 +192,9 @@ WIDTH = 120  # console lines fit this many columns
 def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | None = None,
                      width: int = WIDTH) -> str:
     """One line for the progress log, at most `width` columns, e.g.
-    'step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | train 0.41s 25%'.
+    'step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | train 0.41s 25%'
+    (with an online draft head, its next-token accuracy on the step's rollouts after acc_len:
+    'head_acc 0.91').
     The stages taking most of the step are shown (in pipeline order); the time of those
     that do not fit is summed as 'rest' (metrics.jsonl has them all)."""
     m = scalar_metrics(metrics)
@@ -201,6 +203,8 @@ def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | N
         parts.append(f"reward {m['reward']:.3f}")
     if m.get("acceptance_length") is not None:
         parts.append(f"acc_len {m['acceptance_length']:.2f}")
+    if m.get("draft/acc_0") is not None:  # the online head's next-token accuracy this step
+        parts.append(f"head_acc {m['draft/acc_0']:.2f}")
     if m.get("time/step") is not None:
         parts.append(f"step {m['time/step']:.2f}s")
     stages = [k[len("time/"):] for k in m
@@ -361,8 +365,13 @@ def run_summary(rows: list[dict]) -> dict[str, Any]:
     if compared:
         spec = _mean(r["generation_time_s"] for r in compared)
         plain = _mean(r["generation_plain_time_s"] for r in compared)
+        # the headline: the median of the compared steps' own ratios (robust to one slow
+        # step on a shared machine); the ratio of the mean times next to it
+        ratios = [r["generation_plain_time_s"] / r["generation_time_s"] for r in compared
+                  if r["generation_time_s"] > 0]
         out.update(generation_time_mean=spec, generation_plain_time_mean=plain,
-                   generation_speedup=plain / spec if spec else None,
+                   generation_speedup=float(np.median(ratios)) if ratios else None,
+                   generation_speedup_of_means=plain / spec if spec else None,
                    replay_identical=_mean(r.get("replay_identical") for r in compared))
     steady = rows[1:] if len(rows) > 1 else rows
     out["step_time_mean"] = _mean(r.get("time/step") for r in steady)

@@ -63,10 +63,15 @@ def main(argv=None) -> int:
     with faults.StopSignals(log=console.line) as stop:
         try:
             cfg = load_config(args.config, overrides)
+            stop.setting_up = True  # a signal during the warm-up / draft init stops at once
             trainer = GRPOTrainer(cfg, log=console.line)
+            stop.setting_up = False
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except faults.SetupInterrupted as e:
+            print(f"{e}", file=sys.stderr, flush=True)
+            return faults.EXIT_PREEMPTED
         try:
             with console:
                 _train(cfg, trainer, stop, args.config, start, console)
@@ -85,8 +90,10 @@ def main(argv=None) -> int:
         f"{summary['reward_first_fifth']:.3f} -> last fifth {summary['reward_last_fifth']:.3f} "
         f"(step-to-step noise {summary['reward_noise']:.3f}) | acceptance length "
         f"{summary['acceptance_length_mean']:.2f}"
-        + (f" | generation speculative {summary['generation_time_mean']:.4f}s vs plain "
-           f"{summary['generation_plain_time_mean']:.4f}s ({summary['generation_speedup']:.2f}x)"
+        + (f" | generation speedup {summary['generation_speedup']:.2f}x (median of the "
+           f"compared steps' ratios; mean times speculative "
+           f"{summary['generation_time_mean']:.4f}s vs plain "
+           f"{summary['generation_plain_time_mean']:.4f}s)"
            if summary.get("generation_speedup") is not None else "")
         + f" | plots: python scripts/report.py {cfg.run.dir}")
     return 0

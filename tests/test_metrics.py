@@ -121,6 +121,8 @@ def test_format_step_line():
         "step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | "
         "train 0.41s 25%")
     assert format_step_line(7, {"reward": jnp.float32(1.0)}) == "step 7 | reward 1.000"
+    head = {"reward": 0.5, "acceptance_length": 4.0, "draft/acc_0": 0.912, "time/step": 2.0}
+    assert format_step_line(2, head) == "step 2 | reward 0.500 | acc_len 4.00 | head_acc 0.91 | step 2.00s"
 
 
 # --------------------------------------------------------------------------- GRPO step rows
@@ -181,8 +183,9 @@ def test_run_summary_of_a_linear_reward_curve(tmp_path):
             row = {"reward": 0.1 * (step - 1), "acceptance_length": 2.0 if step > 5 else 1.0,
                    "generation_time_s": 1.0, "time/step": 4.0 if step == 1 else 2.0,
                    "share/generation": 0.5}
-            if step % 2:
-                row.update(generation_plain_time_s=3.0, replay_identical=1.0)
+            if step % 2:  # compared steps' ratios 3, 3, 3, 1, 10: median 3, of the means 4
+                plain = {1: 3.0, 3: 3.0, 5: 3.0, 7: 1.0, 9: 10.0}[step]
+                row.update(generation_plain_time_s=plain, replay_identical=1.0)
             writer.write(step, row)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 11))
@@ -193,6 +196,7 @@ def test_run_summary_of_a_linear_reward_curve(tmp_path):
     assert s["reward_noise"] == pytest.approx(0.0, abs=1e-12)  # constant differences
     assert s["acceptance_length_mean"] == 1.5 and s["acceptance_length_last_fifth"] == 2.0
     assert s["generation_speedup"] == pytest.approx(3.0) and s["replay_identical"] == 1.0
+    assert s["generation_speedup_of_means"] == pytest.approx(4.0)
     assert s["step_time_mean"] == 2.0  # the first (compiling) step left out
     assert s["stage_shares"] == {"generation": 0.5}
     with pytest.raises(FileNotFoundError, match="not a run directory"):

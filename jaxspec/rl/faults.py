@@ -44,6 +44,15 @@ EXIT_SAVE_FAILED = 74  # sysexits EX_IOERR
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: try again (requeue)
 
 
+class SetupInterrupted(Exception):
+    """A stop signal arrived before the first training step: nothing to checkpoint."""
+
+    def __init__(self, signame: str):
+        self.signame = signame
+        super().__init__(f"stopped by {signame} during set-up (before step 1; nothing "
+                         f"was trained, nothing to save; exit code {EXIT_PREEMPTED})")
+
+
 class Preempted(Exception):
     """A stop signal arrived; the last completed step is checkpointed."""
 
@@ -145,9 +154,17 @@ class StopSignals:
         self.requested: str | None = None
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._previous: dict = {}
+        # Before the first step (loading, warm-up, draft init: minutes) there is nothing to
+        # checkpoint, so a signal interrupts at once (`SetupInterrupted`, raised in the main
+        # thread as soon as the current compiled call returns) instead of waiting for step 1.
+        self.setting_up = False
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
+        if self.setting_up:
+            self.setting_up = False  # raised once; a second signal during the unwind exits
+            self.requested = name
+            raise SetupInterrupted(name)
         if self.requested is not None:
             print(f"{name} again: exiting now without saving (exit code {128 + signum})",
                   file=sys.stderr, flush=True)

@@ -374,3 +374,23 @@ def test_all_processes_agree_on_a_stop_signal_of_one():
     assert [p.returncode for p in procs] == [0, 0], outs
     got = [next(line for line in out.splitlines() if line.startswith("agreed")) for out in outs]
     assert got == ["agreed None | a stop signal (on another process)", "agreed None | SIGTERM"]
+
+
+def test_signal_during_setup_stops_at_once(tmp_path):
+    """A SIGTERM during the draft init (before step 1, nothing to save) stops the run as soon
+    as the current draft step returns: exit 75, one line, no traceback, no checkpoint;
+    without the set-up rule it would train the remaining 99,990 init steps first."""
+    run_dir = tmp_path / "run"
+    proc = train_grpo_process(run_dir, "warmup.draft_steps=100000", "warmup.draft_rollouts=8")
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("draft init: rollouts generated"):
+            time.sleep(0.5)  # inside the init's training steps
+            proc.send_signal(signal.SIGTERM)
+            break
+    code = proc.wait(timeout=120)
+    text = "".join(out) + proc.stdout.read()
+    assert code == faults.EXIT_PREEMPTED, text
+    assert "stopped by SIGTERM during set-up" in text and "Traceback" not in text, text
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
