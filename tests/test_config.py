@@ -42,7 +42,7 @@ def test_the_main_job_config_and_the_benchmark_configs_pass_the_run_checks(tmp_p
         plan = prepare_run(cfg, devices=jax.devices()[:1])  # one CPU device, as a user has
         assert plan.task is not None and plan.tokenizer is not None
     long = load_config(ROOT / "configs" / "long.yaml")
-    assert long.task.name == "counting" and long.draft.kind == "history" and long.model.hf_path is None
+    assert long.task.name == "counting" and long.draft.kind == "hybrid" and long.model.hf_path is None
     assert long.run.compare_plain > 0  # the speedup the README quotes is measured in the run
 
 
