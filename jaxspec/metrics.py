@@ -195,8 +195,9 @@ def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | N
     'step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | train 0.41s 25%'
     (with an online draft head, its next-token accuracy on the step's rollouts after acc_len:
     'head_acc 0.91').
-    The stages taking most of the step are shown (in pipeline order); the time of those
-    that do not fit is summed as 'rest' (metrics.jsonl has them all)."""
+    Generation and training, then the stages taking most of the step, are shown (in pipeline
+    order); the time of those that do not fit is summed as 'rest' (metrics.jsonl has them
+    all)."""
     m = scalar_metrics(metrics)
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     if m.get("reward") is not None:
@@ -217,7 +218,8 @@ def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | N
         return out + (f" {100 * sum(shares):.0f}%" if None not in shares else "")
 
     shown = []
-    for name in sorted(stages, key=lambda n: -m[f"time/{n}"]):
+    # generation and training first (the stages every reader compares), then by time
+    for name in sorted(stages, key=lambda n: (n not in ("generation", "training"), -m[f"time/{n}"])):
         trial = [n for n in stages if n in shown or n == name]
         rest = [n for n in stages if n not in trial]
         line = " | ".join(parts + [text([n]) for n in trial] + ([text(rest, "rest")] if rest else []))

@@ -311,11 +311,13 @@ class GRPOTrainer:
                     s.policy, s.opt_state, {k: scored[k] for k in POLICY_INPUTS if k in scored},
                     adv, self.sampling, optimizer=self.optimizer, grpo_cfg=cfg.grpo,
                     minibatches=cfg.grpo.minibatches, filtered=self.filtered)
-                draft_metrics = {}
-                if self.trains_draft:
-                    s.head, s.draft_opt_state, draft_metrics = self.draft.update(
-                        s.head, s.draft_opt_state, scored_by, scored)
-            st.ready((s.policy.params, s.head))
+            st.ready(s.policy.params)
+        draft_metrics = {}
+        if self.trains_draft:  # the draft's online update: a stage of its own (its cost)
+            with timer.stage("draft") as st, self.cluster.training():
+                s.head, s.draft_opt_state, draft_metrics = self.draft.update(
+                    s.head, s.draft_opt_state, scored_by, scored)
+                st.ready(s.head)
         self.last_batch, self.last_scored = batch, scored
         problem = self._nonfinite(grpo_metrics, draft_metrics)
         m = step_metrics(batch, grpo_metrics, draft_metrics, completed=s.completed + 1)

@@ -49,7 +49,7 @@ def test_main_job_end_to_end(tmp_path, capsys):
     with open(run_dir / "metrics.jsonl") as fh:
         rows = [json.loads(line) for line in fh]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    stages = ("data", "setup", "generation", "reward", "logprob", "training")
+    stages = ("data", "setup", "generation", "reward", "logprob", "training", "draft")
     for r in rows:
         for key in ("reward", "acceptance_length", "time/step", "grpo/kl", "grpo/clip_fraction",
                     "grpo/entropy", "grpo/logprob_mismatch_mean", "draft/loss", "draft/acc_0",
@@ -89,9 +89,8 @@ def test_main_job_end_to_end(tmp_path, capsys):
     assert summary["reward_last_fifth"] == rows[-1]["reward"]
     assert summary["acceptance_length_mean"] == pytest.approx(
         np.mean([r["acceptance_length"] for r in rows]))
-    assert summary["generation_speedup"] == pytest.approx(
-        np.mean([r["generation_plain_time_s"] for r in compared])
-        / np.mean([r["generation_time_s"] for r in compared]))
+    assert summary["generation_speedup"] == pytest.approx(  # the median of the steps' ratios
+        np.median([r["generation_plain_time_s"] / r["generation_time_s"] for r in compared]))
 
 
 def test_train_draft_builds_no_grpo_trainer_and_its_head_speculates(tmp_path, monkeypatch):
