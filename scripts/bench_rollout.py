@@ -15,7 +15,10 @@ Timing: every configuration is compiled first, then plain and speculative genera
 timed alternately (A/B/A/B, `--rounds` rounds) and the row reports the median of the
 per-round plain/spec ratios, so load on a shared machine cancels. The verify cost ratio
 c(k+1)/c(1) is measured the same way, timing one policy forward of k+1 tokens against one
-of 1 token on a cache holding the prompt and half of the longest completion.
+of 1 token on a cache holding the prompt and half of the longest completion; for a drafter
+with forwards (EAGLE-3, MTP, a draft model) so is c_draft/c(1), one iteration's drafter work
+(its proposal and its observation of k+1 entries), and the row adds the bound with the draft
+tau * c(1) / (c(k+1) + c_draft) and the efficiency against it.
 
 `--oracle A` replaces the drafters by the oracle drafter (jaxspec.decoding.oracle): drafts
 are the plain rollout's own tokens, the one at depth j corrupted with probability 1 - A_j
@@ -38,6 +41,8 @@ import numpy as np
 from jaxspec.host import keep_freed_memory
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
+from jaxspec.decoding.protocols import DraftContext, Observation
+from jaxspec.decoding.verify import replay_noise
 from jaxspec.decoding.engine import generate, pad_prompts
 from jaxspec.decoding.oracle import oracle_drafter
 from jaxspec.models import Policy, load_hf
@@ -147,6 +152,60 @@ def _verify_cost(policy, batch: int, context: int, ks, rounds: int, reps: int = 
         jax.block_until_ready(fns[t]())  # compile
     times = interleaved(fns, rounds)
     return {k: median_ratio(times[k + 1], times[1]) for k in ks}
+
+
+def _draft_cost(policy, drafter, batch: int, context: int, rounds: int, key, reps: int = 20) -> float:
+    """c_draft / c(1): one loop iteration's drafter work (its proposal, with the replay
+    noise a coupled drafter draws with, and its observation of k + 1 committed entries)
+    against one policy forward of 1 token, both on a cache holding `context` tokens, `reps`
+    of each in one compiled loop, timed interleaved. 0.0 for a drafter without forwards
+    (model-free: its lookups are counted in the engine's bookkeeping, not here)."""
+    if drafter.forwards_per_propose + drafter.forwards_per_observe == 0:
+        return 0.0
+    span = drafter.max_depth + 1
+    max_len = context + reps * span + span + 2
+    vocab = policy.config.vocab_size
+    pre = jnp.zeros((batch, context), jnp.int32)
+    pre_pos = jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), pre.shape)
+    _, captured, cache = policy.forward(pre, pre_pos, policy.init_cache(batch, max_len),
+                                        capture=drafter.capture_layers)
+    state = drafter.init_state(policy, batch, max_len)
+    state = drafter.observe(state, policy, Observation(pre, pre, pre_pos, captured))
+    new_pos = jnp.broadcast_to(context + jnp.arange(span, dtype=jnp.int32), (batch, span))
+    _, fed_captured, _ = policy.forward(jnp.zeros((batch, span), jnp.int32), new_pos, cache,
+                                        capture=drafter.capture_layers)
+    rows = jnp.arange(batch, dtype=jnp.int32)
+    sampling = SamplingConfig()
+
+    @jax.jit
+    def drafting(d, st):
+        def body(i, carry):
+            st, acc = carry
+            lengths = jnp.full((batch,), context + 1, jnp.int32) + i * span
+            noise = (replay_noise(key, lengths, d.max_depth, vocab, rows)
+                     if getattr(d, "uses_verifier_noise", False) else None)
+            ctx = DraftContext(buffer=jnp.zeros((batch, max_len), jnp.int32), lengths=lengths,
+                               key=key, sampling=sampling, sampled=False, rows=rows,
+                               verifier_noise=noise)
+            tree, _, st = d.propose(st, policy, ctx)
+            toks = jnp.maximum(jnp.pad(tree.tokens[:, :span - 1], ((0, 0), (1, 0))), 0)
+            st = d.observe(st, policy, Observation(toks, toks, new_pos + i * span, fed_captured))
+            return st, acc + jnp.sum(toks)
+        return jax.lax.fori_loop(0, reps, body, (st, jnp.zeros((), jnp.int32)))[1]
+
+    @jax.jit
+    def decoding(p, c):
+        def body(i, acc):
+            logits, _, _ = p.forward((acc % vocab)[:, None],
+                                     jnp.full((batch, 1), context, jnp.int32), c)
+            return jnp.argmax(logits[:, 0, :], axis=-1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, reps, body, jnp.zeros((batch,), jnp.int32))
+
+    fns = {"draft": lambda: drafting(drafter, state), "one": lambda: decoding(policy, cache)}
+    for f in fns.values():
+        jax.block_until_ready(f())  # compile
+    times = interleaved(fns, rounds)
+    return median_ratio(times["draft"], times["one"])
 
 
 def read_bandwidth_gbps(rounds: int = 5) -> float:
@@ -271,6 +330,9 @@ def main(argv=None) -> int:
                     c = _verify_cost(policy, batch, int(prompts[0].shape[1]) + longest // 2,
                                      [drafter.num_nodes], args.rounds)[drafter.num_nodes]
                 bound = tau / c
+                draft = _draft_cost(policy, drafter, batch, int(prompts[0].shape[1]) + longest // 2,
+                                    args.rounds, key) if name != "oracle" else 0.0
+                full_bound = tau / (c + draft)  # tau c(1) / (c(k+1) + c_draft), per iteration
                 rows.append(dict(
                     drafter=name, k=k if k is not None else args.tree, batch=batch,
                     acceptance=(acc if name == "oracle" else None),
@@ -279,6 +341,8 @@ def main(argv=None) -> int:
                     target_forwards=int(spec.stats.target_forwards),
                     plain_s=statistics.median(times["plain"]), spec_s=statistics.median(times["spec"]),
                     speedup=speedup, verify_cost=c, bound=bound, efficiency=speedup / bound,
+                    draft_cost=draft, bound_with_draft=full_bound,
+                    efficiency_with_draft=speedup / full_bound,
                     tokens_equal_plain=bool(np.array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))),
                     plain_tokens=int(np.sum(plain.lengths)), longest=longest,
                     plain_tokens_per_s=float(np.sum(plain.lengths)) / statistics.median(times["plain"]),
@@ -288,7 +352,9 @@ def main(argv=None) -> int:
                 r = rows[-1]
                 print(f"{name:>14} B={batch:<4d} k={str(r['k']):>6}  speedup {speedup:5.2f}x  tau {tau:5.2f}  "
                       f"c(k+1)/c(1) {c:5.2f}  bound {bound:5.2f}x  efficiency {r['efficiency']:5.1%}  "
-                      f"plain {r['plain_s'] * 1e3:8.1f} ms"
+                      + (f"c_draft/c(1) {draft:4.2f}  bound with the draft {full_bound:5.2f}x  "
+                         f"efficiency {r['efficiency_with_draft']:5.1%}  " if draft else "")
+                      + f"plain {r['plain_s'] * 1e3:8.1f} ms"
                       + (f" ({r['plain_tokens_per_s']:.0f} tok/s, {r['plain_of_memory_bound']:.0%} of the "
                          "memory bound)" if plain_bound else "")
                       + f"  same-as-plain {r['tokens_equal_plain']}", flush=True)

@@ -239,6 +239,7 @@ def _generate(
     if check_prompts is not None:
         check_prompts(batch)
 
+    policy = _decoding_policy(policy)
     tiers = _capacity_tiers(policy, drafter, slots, width, nodes, max_len, grow_cache)
     iteration_cap = 2**31 - 1 if max_iterations is None else max_iterations
     start = time.perf_counter()
@@ -278,6 +279,33 @@ def _generate(
     jax.block_until_ready(out)
     wall = jnp.asarray(time.perf_counter() - start, jnp.float32)
     return dataclasses.replace(out, stats=dataclasses.replace(out.stats, wall_time_s=wall))
+
+
+# The last params unstacked for decoding: (their leaves, held so that their ids stay
+# theirs; the per-layer copies). One entry: a new params object replaces it.
+_UNSTACKED: list = []
+
+
+@jax.jit
+def _unstack(policy: Policy) -> tuple:
+    return policy.unstack_layers().layer_params
+
+
+def _decoding_policy(policy: Policy) -> Policy:
+    """`policy` with its per-layer weight copies attached when decoding unrolls the layers
+    (CPU, `Policy.decodes_unrolled`), made once per params object and reused by every later
+    call with the same arrays. Made inside each call's program instead, the copies cost
+    every call one pass over the weights into fresh memory: ~125 ms at 75M parameters on a
+    2-core CPU, 30% of a one-rollout call (docs/BENCHMARKS.md). The cache holds one params
+    object's copies (host memory: one more copy of the layer weights while it lives)."""
+    if policy.layer_params is not None or not policy.decodes_unrolled(0, 0):
+        return policy
+    leaves = jax.tree.leaves(policy.params)
+    if not (_UNSTACKED and len(_UNSTACKED[0][0]) == len(leaves)
+            and all(a is b for a, b in zip(_UNSTACKED[0][0], leaves))):
+        _UNSTACKED.clear()  # the old copies go before the new ones are made
+        _UNSTACKED.append((leaves, _unstack(policy)))
+    return policy.replace(layer_params=_UNSTACKED[0][1])
 
 
 _FIRST_CAPACITY = 64  # cache slots of the first segment when the cache grows

@@ -168,3 +168,35 @@ def test_draft_choice_over_a_reduced_vocabulary_matches_the_full_vocabulary():
         else:
             np.testing.assert_allclose(q, q_full, atol=1e-6)
             assert np.all(np.take_along_axis(np.asarray(q), np.asarray(tok)[:, None], 1) > 0)
+
+
+def test_layer_copies_are_made_once_per_params_and_never_stale(policy, monkeypatch):
+    """On CPU decoding runs the layers unrolled over per-layer copies, made once per params
+    object and reused: three calls alternating two policies of the same shapes copy each
+    one's layers when it comes (3 copies: A, B, A again), and every call's rollouts equal
+    that policy's scanned decode (no copies at all): a copy keyed by shapes alone would
+    decode B's call with A's weights. A changed config over the same params reuses the
+    copies and keeps its own config."""
+    from jaxspec.decoding import engine
+
+    assert policy.decodes_unrolled(0, 0)  # CPU, layer_loop auto: the path under test
+    other = Policy.init(policy.config, jax.random.key(7))
+    made = []
+    unstack = engine._unstack
+    monkeypatch.setattr(engine, "_unstack", lambda p: made.append(1) or unstack(p))
+    monkeypatch.setattr(engine, "_UNSTACKED", [])
+    sampling = SamplingConfig(temperature=1.0)
+
+    def run(p):
+        return np.asarray(generate(p, PROMPTS, sampling=sampling, max_new_tokens=MAX_NEW,
+                                   key=KEY).tokens)
+
+    want = {name: run(p.with_config(layer_loop="scan")) for name, p in (("a", policy), ("b", other))}
+    assert not np.array_equal(want["a"], want["b"])  # the two policies decode differently
+    for name, p in (("a", policy), ("b", other), ("a", policy)):
+        np.testing.assert_array_equal(run(p), want[name])
+    assert len(made) == 3
+    np.testing.assert_array_equal(run(policy), want["a"])  # the same params again: no copy
+    assert len(made) == 3
+    renamed = policy.with_config(attention_backend="reference")  # new config, same params
+    assert engine._decoding_policy(renamed).config is renamed.config and len(made) == 3

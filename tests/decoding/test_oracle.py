@@ -107,6 +107,25 @@ def test_bench_rollout_oracle_mode(tmp_path):
         bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.5"])
 
 
+def test_bench_rollout_bound_with_the_draft(tmp_path):
+    """A drafter with forwards (an untrained MTP head) gets its per-iteration cost c_draft
+    measured and the bound tau / (c(k+1)/c(1) + c_draft/c(1)); a model-free one none."""
+    import json
+
+    root, bench = _bench_rollout()
+    out = tmp_path / "b.json"
+    assert bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--drafters",
+                       "mtp_untrained,ngram", "--ks", "2", "--batches", "2", "--max-new-tokens",
+                       "6", "--rounds", "1", "--json", str(out)]) == 0
+    mtp, ngram = json.loads(out.read_text())["rows"]
+    assert mtp["tokens_equal_plain"] and ngram["tokens_equal_plain"]
+    assert mtp["draft_cost"] > 0 and ngram["draft_cost"] == 0.0
+    for row in (mtp, ngram):
+        assert row["bound_with_draft"] == pytest.approx(
+            row["tau"] / (row["verify_cost"] + row["draft_cost"]))
+        assert row["efficiency_with_draft"] == pytest.approx(row["speedup"] / row["bound_with_draft"])
+
+
 def test_bench_rollout_overrides_and_memory_bound(tmp_path):
     """--set overrides the config's model; --bandwidth reports plain decoding against the
     bytes it must read per step, counted here from the shape alone (closed form)."""
