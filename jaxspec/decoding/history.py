@@ -473,8 +473,8 @@ class HybridDrafter:
     pool has no path as deep as `history.k` (no full-depth match: a leader with no sibling
     ahead, a prompt not seen before, a suffix never seen). When every live row has one, the
     tree is the history's best `budget` nodes and the head does nothing: no draft, and no
-    observation either. The committed entries wait in a ring of the last `window` positions
-    per row and the head observes them in one forward just before its next draft (older
+    observation either. The committed entries wait in a ring of the last `ring_size`
+    positions per row (`window`, default max(16, max_depth + 1)) and the head observes them in one forward just before its next draft (older
     ones it never sees: a draft after a long history stretch has less context; lossless
     anyway). False: the head observes and drafts at every iteration. (RolloutStats'
     draft_forwards counts the head's forwards as if it ran every iteration; `draft_stats`
@@ -484,7 +484,9 @@ class HybridDrafter:
     head: Eagle3Drafter  # a chain drafter (tree None)
     budget: int = dataclasses.field(default=6, metadata=dict(static=True))
     gate: bool = dataclasses.field(default=True, metadata=dict(static=True))
-    window: int = dataclasses.field(default=16, metadata=dict(static=True))  # gate: ring size
+    # gate: the ring's positions per row (None: max(16, max_depth + 1); at least max_depth + 1,
+    # what one verify commits)
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         if not isinstance(self.history, HistoryDrafter):
@@ -496,11 +498,12 @@ class HybridDrafter:
         _check_int("HybridDrafter", "budget", self.budget, self.head.k)
         if not isinstance(self.gate, bool):
             raise ValueError(f"HybridDrafter.gate must be True or False; got {self.gate!r}")
-        # a verify commits up to max_depth + 1 entries, all of which the ring must hold
-        _check_int("HybridDrafter", "window", self.window, self.max_depth + 1)
+        if self.window is not None:  # a verify commits up to max_depth + 1 entries
+            _check_int("HybridDrafter", "window", self.window, self.max_depth + 1)
 
     num_nodes = property(lambda self: self.budget)
     max_depth = property(lambda self: max(self.history.k, self.head.k))
+    ring_size = property(lambda self: self.window or max(16, self.max_depth + 1))
     capture_layers = property(lambda self: self.head.capture_layers)
     uses_verifier_noise = property(lambda self: self.head.uses_verifier_noise)  # the head's chain
     supports_rejection = False
@@ -517,7 +520,7 @@ class HybridDrafter:
         none = jnp.full((batch, self.budget), -1, jnp.int32)
         pending = None
         if self.gate:
-            w, hidden = self.window, policy.config.hidden_size
+            w, hidden = self.ring_size, policy.config.hidden_size
             zeros = jnp.zeros((batch, w), jnp.int32)
             pending = Observation(
                 fed_tokens=zeros, next_tokens=zeros, positions=jnp.full((batch, w), -1, jnp.int32),

@@ -445,3 +445,16 @@ def test_gated_head_observes_the_ring_as_it_would_have_step_by_step(policy, step
         np.testing.assert_allclose(flushed.cache.k[:, b, :n], want.cache.k[:, b, :n], atol=1e-5)
         np.testing.assert_allclose(flushed.cache.v[:, b, :n], want.cache.v[:, b, :n], atol=1e-5)
     np.testing.assert_allclose(flushed.last_hidden, want.last_hidden, atol=1e-4)
+
+
+def test_hybrid_ring_holds_a_verify_whatever_the_depth():
+    """The gate's ring defaults to max(16, max_depth + 1) positions; a window shorter than
+    one verify's commits is refused with the value and the minimum."""
+    head = Eagle3Head.init_for(Policy.init(ModelConfig.tiny("qwen3", num_layers=2),
+                                           jax.random.key(0)), 96, jax.random.key(1))
+    deep = HistoryDrafter.for_batch([0, 0], k=20, budget=20)
+    assert HybridDrafter(deep, Eagle3Drafter(head, k=2), budget=20).ring_size == 21
+    shallow = HistoryDrafter.for_batch([0, 0], k=3, budget=4)
+    assert HybridDrafter(shallow, Eagle3Drafter(head, k=2), budget=4).ring_size == 16
+    with pytest.raises(ValueError, match="HybridDrafter.window must be an int >= 4; got 3"):
+        HybridDrafter(shallow, Eagle3Drafter(head, k=2), budget=4, window=3)
