@@ -12,6 +12,7 @@ import jax
 
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
+from jaxspec.rl import faults
 from jaxspec.rl.draft import DraftLossConfig
 from jaxspec.rl.rollouts import encode_prompts
 from jaxspec.models.mtp import MTPHead, load_mtp
@@ -149,6 +150,7 @@ class DraftLearner:
                  f"{total} training steps")
 
         def step(head, opt_state, batch):
+            faults.check_setup_stop()  # a stop signal during the init: stop between its steps
             out = train_step(head, opt_state, batch)
             done[0] += 1
             if total >= 50 and done[0] % every == 0 and done[0] < total:

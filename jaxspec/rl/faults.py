@@ -44,8 +44,9 @@ EXIT_SAVE_FAILED = 74  # sysexits EX_IOERR
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: try again (requeue)
 
 
-class SetupInterrupted(Exception):
-    """A stop signal arrived before the first training step: nothing to checkpoint."""
+class SetupInterrupted(BaseException):
+    """A stop signal arrived before the first training step: nothing to checkpoint. A
+    BaseException, like KeyboardInterrupt, so no `except Exception` on the way swallows it."""
 
     def __init__(self, signame: str):
         self.signame = signame
@@ -140,6 +141,17 @@ def check_run_dir(path: str, needed_bytes: int) -> None:
 
 # ----------------------------------------------------------------------------- signals
 
+_setup_signal: str | None = None  # a signal taken during set-up (StopSignals.setting_up)
+
+
+def check_setup_stop() -> None:
+    """Raise SetupInterrupted if a stop signal arrived during set-up: called between the
+    steps of long set-up loops (the draft init), so the stop holds even where the handler's
+    own raise landed inside code that caught it."""
+    if _setup_signal is not None:
+        raise SetupInterrupted(_setup_signal)
+
+
 class StopSignals:
     """SIGTERM / SIGINT ask the run to stop after the current step (it checkpoints it); a
     second signal exits at once with 128 + its number. A context manager; installs its
@@ -164,6 +176,8 @@ class StopSignals:
         if self.setting_up:
             self.setting_up = False  # raised once; a second signal during the unwind exits
             self.requested = name
+            global _setup_signal
+            _setup_signal = name  # for check_setup_stop, should the raise be swallowed
             raise SetupInterrupted(name)
         if self.requested is not None:
             print(f"{name} again: exiting now without saving (exit code {128 + signum})",

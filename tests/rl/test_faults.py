@@ -383,13 +383,17 @@ def test_signal_during_setup_stops_at_once(tmp_path):
     run_dir = tmp_path / "run"
     proc = train_grpo_process(run_dir, "warmup.draft_steps=100000", "warmup.draft_rollouts=8")
     out = []
-    for line in proc.stdout:
-        out.append(line)
-        if line.startswith("draft init: rollouts generated"):
-            time.sleep(0.5)  # inside the init's training steps
-            proc.send_signal(signal.SIGTERM)
-            break
-    code = proc.wait(timeout=120)
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("draft init: rollouts generated"):
+                time.sleep(0.5)  # inside the init's training steps
+                proc.send_signal(signal.SIGTERM)
+                break
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:  # a failed stop must not leave 100,000 init steps running
+            proc.kill()
     text = "".join(out) + proc.stdout.read()
     assert code == faults.EXIT_PREEMPTED, text
     assert "stopped by SIGTERM during set-up" in text and "Traceback" not in text, text
