@@ -23,6 +23,7 @@ state of the one before: a larger cache when a live row outgrows the current one
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -282,8 +283,10 @@ def _generate(
 
 
 # The last params unstacked for decoding: (their leaves, held so that their ids stay
-# theirs; the per-layer copies). One entry: a new params object replaces it.
+# theirs; the per-layer copies). One entry: a new params object replaces it. The lock makes
+# the check-and-replace one step for threads generating with different params.
 _UNSTACKED: list = []
+_UNSTACKED_LOCK = threading.Lock()
 
 
 @jax.jit
@@ -297,15 +300,22 @@ def _decoding_policy(policy: Policy) -> Policy:
     call with the same arrays. Made inside each call's program instead, the copies cost
     every call one pass over the weights into fresh memory: ~125 ms at 75M parameters on a
     2-core CPU, 30% of a one-rollout call (docs/BENCHMARKS.md). The cache holds one params
-    object's copies (host memory: one more copy of the layer weights while it lives)."""
+    object's copies. Host memory: one more copy of the layer weights while the entry lives,
+    and the params it was made from are kept alive with it (until the next params object
+    replaces it; donated params hold no memory)."""
     if policy.layer_params is not None or not policy.decodes_unrolled(0, 0):
         return policy
     leaves = jax.tree.leaves(policy.params)
-    if not (_UNSTACKED and len(_UNSTACKED[0][0]) == len(leaves)
-            and all(a is b for a, b in zip(_UNSTACKED[0][0], leaves))):
-        _UNSTACKED.clear()  # the old copies go before the new ones are made
-        _UNSTACKED.append((leaves, _unstack(policy)))
-    return policy.replace(layer_params=_UNSTACKED[0][1])
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):  # under a trace: nothing to keep
+        return policy.unstack_layers()
+    with _UNSTACKED_LOCK:
+        entry = _UNSTACKED[0] if _UNSTACKED else None
+        if entry is None or len(entry[0]) != len(leaves) or any(
+                a is not b for a, b in zip(entry[0], leaves)):
+            _UNSTACKED.clear()  # the old copies go before the new ones are made
+            entry = (leaves, _unstack(policy))
+            _UNSTACKED.append(entry)
+    return policy.replace(layer_params=entry[1])
 
 
 _FIRST_CAPACITY = 64  # cache slots of the first segment when the cache grows

@@ -397,6 +397,15 @@ def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
     return jnp.stack(tokens, 1), jnp.stack(logps, 1)
 
 
+def _in_position_order(ring: Observation) -> Observation:
+    """The ring's entries sorted by position per row, padding (-1) last."""
+    order = jnp.argsort(jnp.where(ring.positions >= 0, ring.positions, jnp.iinfo(jnp.int32).max),
+                        axis=1)
+    return jax.tree.map(
+        lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
+        ring)
+
+
 def _ring_write(ring: Observation, obs: Observation) -> Observation:
     """`obs`'s entries written into `ring` ([B, W]) at slot position % W: the ring keeps each
     row's last W positions (an entry more than W before the row's newest is dropped)."""
@@ -473,12 +482,14 @@ class HybridDrafter:
     pool has no path as deep as `history.k` (no full-depth match: a leader with no sibling
     ahead, a prompt not seen before, a suffix never seen). When every live row has one, the
     tree is the history's best `budget` nodes and the head does nothing: no draft, and no
-    observation either. The committed entries wait in a ring of the last `ring_size`
-    positions per row (`window`, default max(16, max_depth + 1)) and the head observes them in one forward just before its next draft (older
-    ones it never sees: a draft after a long history stretch has less context; lossless
-    anyway). False: the head observes and drafts at every iteration. (RolloutStats'
-    draft_forwards counts the head's forwards as if it ran every iteration; `draft_stats`
-    has the iterations it did run.)"""
+    observation of the verified tokens either. Those wait in a ring of the last
+    `ring_size` positions per row (`window`, default max(16, max_depth + 1)), and the head
+    observes them in one forward just before its next draft (older ones it never sees: a
+    draft after a long history stretch has less context; lossless anyway). A prompt (an
+    observation wider than one verify's commits) it observes at once, whole. False: the
+    head observes and drafts at every iteration. (RolloutStats' draft_forwards counts the
+    head's forwards as if it ran every iteration; `draft_stats` has the iterations it did
+    run.)"""
 
     history: HistoryDrafter
     head: Eagle3Drafter  # a chain drafter (tree None)
@@ -544,9 +555,17 @@ class HybridDrafter:
             accepted = accepted + jnp.stack([jnp.sum(hit & (src == s)) for s in
                                              (HISTORY, HEAD, HISTORY | HEAD)]).astype(jnp.int32)
             current = jnp.where(hit, node, -2)
-        if self.gate:  # the head observes later, just before it drafts
+        if self.gate and obs.positions.shape[1] <= self.max_depth + 1:
+            # a verify's commits: the head observes them later, just before it drafts
             return dataclasses.replace(state, accepted=accepted,
                                        pending=_ring_write(state.pending, obs))
+        if self.gate:  # wider (a prompt): observed now, whole, after anything pending
+            pending = state.pending
+            both = jax.tree.map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=1),
+                                _in_position_order(pending), obs)
+            head = self.head.observe(state.head, policy, both)
+            return dataclasses.replace(state, head=head, accepted=accepted, pending=dataclasses.replace(
+                pending, positions=jnp.full_like(pending.positions, -1)))
         head = self.head.observe(state.head, policy, obs)
         return dataclasses.replace(state, head=head, accepted=accepted)
 
@@ -554,12 +573,7 @@ class HybridDrafter:
         """The head observes its pending entries (in position order), then drafts its chain.
         -> (chain, log-probs, head state, the emptied ring)."""
         ring = state.pending
-        order = jnp.argsort(jnp.where(ring.positions >= 0, ring.positions, jnp.iinfo(jnp.int32).max),
-                            axis=1)
-        ordered = jax.tree.map(
-            lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
-            ring)
-        head = self.head.observe(state.head, policy, ordered)
+        head = self.head.observe(state.head, policy, _in_position_order(ring))
         chain, logp = _head_chain(self.head, head, policy, ctx)
         return chain, logp, head, dataclasses.replace(ring, positions=jnp.full_like(ring.positions, -1))
 

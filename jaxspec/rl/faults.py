@@ -173,7 +173,8 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.setting_up:
+        # (multi-process runs stop together at a step, agreed; never one process alone)
+        if self.setting_up and jax.process_count() == 1:
             self.setting_up = False  # raised once; a second signal during the unwind exits
             self.requested = name
             global _setup_signal
@@ -208,12 +209,16 @@ class StopSignals:
         return None
 
     def __enter__(self):
+        global _setup_signal
+        _setup_signal = None  # a stop of an earlier run in this process is not this one's
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
+        global _setup_signal
+        _setup_signal = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

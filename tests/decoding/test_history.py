@@ -458,3 +458,26 @@ def test_hybrid_ring_holds_a_verify_whatever_the_depth():
     assert HybridDrafter(shallow, Eagle3Drafter(head, k=2), budget=4).ring_size == 16
     with pytest.raises(ValueError, match="HybridDrafter.window must be an int >= 4; got 3"):
         HybridDrafter(shallow, Eagle3Drafter(head, k=2), budget=4, window=3)
+
+
+def test_gated_head_observes_a_long_prompt_whole(policy):
+    """A prompt wider than the ring (24 > 16 positions) is observed at once and whole: after
+    it and one verify's commits, the flushed head equals the head that observed both."""
+    head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
+    chain = Eagle3Drafter(head, k=2)
+    hybrid = HybridDrafter(HistoryDrafter.for_batch([0, 0], k=3, budget=4), chain, budget=4)
+    batch, max_len = 2, 64
+    prompt, = _observations(policy, head, batch, 1, 24, seed=9)
+    full = dataclasses.replace(prompt, positions=jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (batch, 24)))
+    step, = _observations(policy, head, batch, 1, 4, seed=10)
+    step = dataclasses.replace(step, positions=jnp.where(step.positions >= 0, step.positions + 24, -1))
+    state = hybrid.init_state(policy, batch, max_len)
+    state = hybrid.observe(hybrid.observe(state, policy, full), policy, step)
+    flushed = hybrid._flush_and_draft(state, policy, _context(
+        np.zeros((batch, max_len), np.int32), np.full(batch, 1, np.int32)))[2]
+    want = chain.observe(chain.observe(chain.init_state(policy, batch, max_len), policy, full),
+                         policy, step)
+    np.testing.assert_array_equal(flushed.cache.lengths, want.cache.lengths)
+    assert int(np.min(want.cache.lengths)) > 24  # the whole prompt, then the step
+    np.testing.assert_allclose(flushed.cache.k, want.cache.k, atol=1e-5)
+    np.testing.assert_allclose(flushed.last_hidden, want.last_hidden, atol=1e-4)
