@@ -471,12 +471,20 @@ def test_gated_head_observes_a_long_prompt_whole(policy):
     full = dataclasses.replace(prompt, positions=jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (batch, 24)))
     step, = _observations(policy, head, batch, 1, 4, seed=10)
     step = dataclasses.replace(step, positions=jnp.where(step.positions >= 0, step.positions + 24, -1))
-    state = hybrid.init_state(policy, batch, max_len)
-    state = hybrid.observe(hybrid.observe(state, policy, full), policy, step)
-    flushed = hybrid._flush_and_draft(state, policy, _context(
-        np.zeros((batch, max_len), np.int32), np.full(batch, 1, np.int32)))[2]
-    want = chain.observe(chain.observe(chain.init_state(policy, batch, max_len), policy, full),
-                         policy, step)
+    ctx = _context(np.zeros((batch, max_len), np.int32), np.full(batch, 1, np.int32))
+
+    @jax.jit  # one program each (eager, the head's ops cost ~10 s of dispatch)
+    def gated():
+        state = hybrid.init_state(policy, batch, max_len)
+        state = hybrid.observe(hybrid.observe(state, policy, full), policy, step)
+        return hybrid._flush_and_draft(state, policy, ctx)[2]
+
+    @jax.jit
+    def stepwise():
+        state = chain.init_state(policy, batch, max_len)
+        return chain.observe(chain.observe(state, policy, full), policy, step)
+
+    flushed, want = gated(), stepwise()
     np.testing.assert_array_equal(flushed.cache.lengths, want.cache.lengths)
     assert int(np.min(want.cache.lengths)) > 24  # the whole prompt, then the step
     np.testing.assert_allclose(flushed.cache.k, want.cache.k, atol=1e-5)
