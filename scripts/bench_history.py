@@ -167,6 +167,7 @@ def main(argv=None):
                     "equals_plain": same,
                 }
             src = {k: int(v) for k, v in results["hybrid"].draft_stats.items()}
+            src["head_skipped"] = int(results["hybrid"].stats.target_forwards) - src["head_drafted"]
             # drafts by source (history only, head only, both); proposals with/without the head
             row["hybrid"]["accepted_by_source"] = src
             row["plain_time_s"] = float(statistics.median(times["plain"]))
@@ -187,7 +188,8 @@ def main(argv=None):
     for epoch in range(args.epochs):
         rows_e = [r for r in out if r["epoch"] == epoch]
         src = {k: sum(r["hybrid"]["accepted_by_source"][k] for r in rows_e)
-               for k in ("history_only", "head_only", "both", "head_drafted", "head_skipped")}
+               for k in ("accepted_history_only", "accepted_head_only", "accepted_both",
+                         "head_drafted", "head_skipped")}
         summary[epoch] = {x: {"acceptance_length": float(np.mean([r[x]["acceptance_length"]
                                                                   for r in rows_e])),
                               "speedup": float(statistics.median([r[x]["speedup"]

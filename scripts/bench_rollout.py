@@ -128,12 +128,11 @@ def _prompts(args, vocab: int):
     return ids, tok
 
 
-def _verify_cost(policy, batch: int, context: int, ks, rounds: int, reps: int = 20) -> dict:
-    """{k: median over rounds of c(k+1)/c(1)}: policy forwards of k+1 tokens vs 1 token per
-    row on a cache holding `context` tokens, `reps` of them in one compiled loop (as inside
-    the engine, so per-call dispatch is not counted)."""
-    max_len = context + max(ks) + 2
-    cache = policy.init_cache(batch, max_len)
+def _forward_loops(policy, batch: int, context: int, widths, reps: int = 20) -> dict:
+    """{t: a compiled call running `reps` policy forwards of t tokens per row}, on a cache
+    holding `context` tokens, in one loop (as inside the engine, so per-call dispatch is not
+    counted); each compiled here."""
+    cache = policy.init_cache(batch, context + max(widths) + 1)
     pre = jnp.zeros((batch, context), jnp.int32)
     _, _, cache = policy.forward(pre, jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), pre.shape), cache)
 
@@ -145,11 +144,18 @@ def _verify_cost(policy, batch: int, context: int, ks, rounds: int, reps: int = 
         return jax.lax.fori_loop(0, reps, body, jnp.zeros((batch, 1), jnp.int32))
 
     fns = {}
-    for t in sorted({1} | {k + 1 for k in ks}):
+    for t in widths:
         toks = jnp.zeros((batch, t), jnp.int32)
         pos = jnp.broadcast_to(context + jnp.arange(t, dtype=jnp.int32), (batch, t))
         fns[t] = (lambda toks=toks, pos=pos: loop(policy, toks, pos, cache))
         jax.block_until_ready(fns[t]())  # compile
+    return fns
+
+
+def _verify_cost(policy, batch: int, context: int, ks, rounds: int) -> dict:
+    """{k: median over rounds of c(k+1)/c(1)}: policy forwards of k+1 tokens vs 1 token per
+    row on a cache holding `context` tokens (`_forward_loops`), timed interleaved."""
+    fns = _forward_loops(policy, batch, context, sorted({1} | {k + 1 for k in ks}))
     times = interleaved(fns, rounds)
     return {k: median_ratio(times[k + 1], times[1]) for k in ks}
 
@@ -193,17 +199,9 @@ def _draft_cost(policy, drafter, batch: int, context: int, rounds: int, key, rep
             return st, acc + jnp.sum(toks)
         return jax.lax.fori_loop(0, reps, body, (st, jnp.zeros((), jnp.int32)))[1]
 
-    @jax.jit
-    def decoding(p, c):
-        def body(i, acc):
-            logits, _, _ = p.forward((acc % vocab)[:, None],
-                                     jnp.full((batch, 1), context, jnp.int32), c)
-            return jnp.argmax(logits[:, 0, :], axis=-1).astype(jnp.int32)
-        return jax.lax.fori_loop(0, reps, body, jnp.zeros((batch,), jnp.int32))
-
-    fns = {"draft": lambda: drafting(drafter, state), "one": lambda: decoding(policy, cache)}
-    for f in fns.values():
-        jax.block_until_ready(f())  # compile
+    fns = {"draft": lambda: drafting(drafter, state),
+           "one": _forward_loops(policy, batch, context, [1], reps)[1]}
+    jax.block_until_ready(fns["draft"]())  # compile
     times = interleaved(fns, rounds)
     return median_ratio(times["draft"], times["one"])
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -282,16 +283,22 @@ def _generate(
     return dataclasses.replace(out, stats=dataclasses.replace(out.stats, wall_time_s=wall))
 
 
-# The last params unstacked for decoding: (their leaves, held so that their ids stay
-# theirs; the per-layer copies). One entry: a new params object replaces it. The lock makes
-# the check-and-replace one step for threads generating with different params.
+# The last params unstacked for decoding: (weak references to their leaves, the per-layer
+# copies). One entry: a new params object replaces it, and it goes when its params die. The
+# lock makes the check-and-replace one step for threads generating with different params.
 _UNSTACKED: list = []
-_UNSTACKED_LOCK = threading.Lock()
+_UNSTACKED_LOCK = threading.RLock()  # reentrant: a finalizer may run inside the lock
 
 
 @jax.jit
 def _unstack(policy: Policy) -> tuple:
     return policy.unstack_layers().layer_params
+
+
+def _forget(entry) -> None:  # a cached entry's params were freed: free its copies too
+    with _UNSTACKED_LOCK:
+        if _UNSTACKED and _UNSTACKED[0] is entry:
+            _UNSTACKED.clear()
 
 
 def _decoding_policy(policy: Policy) -> Policy:
@@ -300,9 +307,8 @@ def _decoding_policy(policy: Policy) -> Policy:
     call with the same arrays. Made inside each call's program instead, the copies cost
     every call one pass over the weights into fresh memory: ~125 ms at 75M parameters on a
     2-core CPU, 30% of a one-rollout call (docs/BENCHMARKS.md). The cache holds one params
-    object's copies. Host memory: one more copy of the layer weights while the entry lives,
-    and the params it was made from are kept alive with it (until the next params object
-    replaces it; donated params hold no memory)."""
+    object's copies (one more copy of the layer weights in host memory) and only weak
+    references to the params: the copies go when the params do."""
     if policy.layer_params is not None or not policy.decodes_unrolled(0, 0):
         return policy
     leaves = jax.tree.leaves(policy.params)
@@ -311,10 +317,11 @@ def _decoding_policy(policy: Policy) -> Policy:
     with _UNSTACKED_LOCK:
         entry = _UNSTACKED[0] if _UNSTACKED else None
         if entry is None or len(entry[0]) != len(leaves) or any(
-                a is not b for a, b in zip(entry[0], leaves)):
+                ref() is not x for ref, x in zip(entry[0], leaves)):
             _UNSTACKED.clear()  # the old copies go before the new ones are made
-            entry = (leaves, _unstack(policy))
+            entry = ([weakref.ref(x) for x in leaves], _unstack(policy))
             _UNSTACKED.append(entry)
+            weakref.finalize(leaves[0], _forget, entry)
     return policy.replace(layer_params=entry[1])
 
 
@@ -506,8 +513,7 @@ def _generate_jit(
     # Adaptive k = 0 skips a network drafter's observation; the entries wait in a window, and
     # a prompt started during k = 0 waits whole (observed with the window before the next draft).
     defer = adaptive is not None and drafter.forwards_per_observe > 0
-    if policy.decodes_unrolled(max_len, batch):  # per-layer weights, sliced once here, not per step
-        policy = policy.unstack_layers()
+    # (on CPU `_generate` has attached the per-layer weight copies: `_decoding_policy`)
 
     if state_in is not None:  # a segment after the first: the grown state of the one before
         state = state_in
@@ -599,14 +605,10 @@ def _generate_jit(
         has = jnp.any(both.positions >= 0)
 
         def observe(st):
-            order = jnp.argsort(jnp.where(both.positions >= 0, both.positions, max_len), axis=1)
-            ordered = jax.tree.map(
-                lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
-                both)
-            return drafter.observe(st, policy, ordered)
+            return drafter.observe(st, policy, both.in_position_order())
 
         def cleared(obs):
-            return None if obs is None else dataclasses.replace(obs, positions=jnp.full_like(obs.positions, -1))
+            return None if obs is None else obs.cleared()
 
         draft_state = jax.lax.cond(has, observe, lambda st: st, draft_state)
         return (draft_state, cleared(pending), cleared(pending_prompt),

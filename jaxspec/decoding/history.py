@@ -397,15 +397,6 @@ def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
     return jnp.stack(tokens, 1), jnp.stack(logps, 1)
 
 
-def _in_position_order(ring: Observation) -> Observation:
-    """The ring's entries sorted by position per row, padding (-1) last."""
-    order = jnp.argsort(jnp.where(ring.positions >= 0, ring.positions, jnp.iinfo(jnp.int32).max),
-                        axis=1)
-    return jax.tree.map(
-        lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
-        ring)
-
-
 def _ring_write(ring: Observation, obs: Observation) -> Observation:
     """`obs`'s entries written into `ring` ([B, W]) at slot position % W: the ring keeps each
     row's last W positions (an entry more than W before the row's newest is dropped)."""
@@ -465,8 +456,7 @@ class HybridState:
     parents: jax.Array  # [B, N] int32
     source: jax.Array  # [B, N] int32 source bits of each node (HISTORY, HEAD)
     accepted: jax.Array  # [3] int32 accepted drafts from history only, head only, both
-    # [2] int32 proposals where the head drafted / was skipped (`HybridDrafter.gate`)
-    head_calls: jax.Array
+    head_drafts: jax.Array  # [] int32 proposals where the head drafted (`HybridDrafter.gate`)
     # gate: committed entries [B, window] the head has not observed yet, a ring keyed by
     # position (None without the gate: the head observes every step)
     pending: Observation | None = None
@@ -539,7 +529,7 @@ class HybridDrafter:
                           for layer in self.head.capture_layers})
         return HybridState(self.head.init_state(policy, batch, max_len), none, none,
                            jnp.zeros_like(none), jnp.zeros((3,), jnp.int32),
-                           jnp.zeros((2,), jnp.int32), pending)
+                           jnp.zeros((), jnp.int32), pending)
 
     def observe(self, state: HybridState, policy, obs: Observation):
         # Which proposed nodes the policy accepted: entries 1.. of the observation follow the
@@ -559,23 +549,16 @@ class HybridDrafter:
             # a verify's commits: the head observes them later, just before it drafts
             return dataclasses.replace(state, accepted=accepted,
                                        pending=_ring_write(state.pending, obs))
-        if self.gate:  # wider (a prompt): observed now, whole, after anything pending
-            pending = state.pending
-            both = jax.tree.map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=1),
-                                _in_position_order(pending), obs)
-            head = self.head.observe(state.head, policy, both)
-            return dataclasses.replace(state, head=head, accepted=accepted, pending=dataclasses.replace(
-                pending, positions=jnp.full_like(pending.positions, -1)))
+        # wider: a prompt, observed now and whole (its row is fresh, so nothing is pending)
         head = self.head.observe(state.head, policy, obs)
         return dataclasses.replace(state, head=head, accepted=accepted)
 
     def _flush_and_draft(self, state: HybridState, policy, ctx: DraftContext):
         """The head observes its pending entries (in position order), then drafts its chain.
         -> (chain, log-probs, head state, the emptied ring)."""
-        ring = state.pending
-        head = self.head.observe(state.head, policy, _in_position_order(ring))
+        head = self.head.observe(state.head, policy, state.pending.in_position_order())
         chain, logp = _head_chain(self.head, head, policy, ctx)
-        return chain, logp, head, dataclasses.replace(ring, positions=jnp.full_like(ring.positions, -1))
+        return chain, logp, head, state.pending.cleared()
 
     def propose(self, state: HybridState, policy, ctx: DraftContext):
         pool, _ = self.history.pool(ctx)
@@ -595,14 +578,14 @@ class HybridDrafter:
             chain, logp = _head_chain(self.head, state.head, policy, ctx)
         merged, source = merge_chain(pool, chain, jnp.exp(logp), chain_present=use_head)
         tree, source = _select(*merged, self.budget, self.max_depth, extra=source)
-        calls = state.head_calls + jnp.stack([use_head, ~use_head]).astype(jnp.int32)
-        state = dataclasses.replace(state, tokens=tree.tokens, parents=tree.parents,
-                                    source=source, head_calls=calls)
+        state = dataclasses.replace(state, tokens=tree.tokens, parents=tree.parents, source=source,
+                                    head_drafts=state.head_drafts + use_head.astype(jnp.int32))
         return tree, None, state
 
     def draft_stats(self, state: HybridState) -> dict:
-        """Accepted drafts by source ('history_only', 'head_only', 'both') and proposals
-        where the head drafted or was skipped ('head_drafted', 'head_skipped')."""
-        a, c = state.accepted, state.head_calls
-        return {"history_only": a[0], "head_only": a[1], "both": a[2],
-                "head_drafted": c[0], "head_skipped": c[1]}
+        """Accepted drafts by source ('accepted_history_only', 'accepted_head_only',
+        'accepted_both') and the proposals where the head drafted ('head_drafted'; the others
+        it skipped)."""
+        a = state.accepted
+        return {"accepted_history_only": a[0], "accepted_head_only": a[1], "accepted_both": a[2],
+                "head_drafted": state.head_drafts}

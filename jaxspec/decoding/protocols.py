@@ -100,6 +100,19 @@ class Observation:
     positions: jax.Array  # [B, M] int32, < 0 marks padding
     captured: dict[int, jax.Array]  # {layer: [B, M, H]}
 
+    def in_position_order(self) -> Observation:
+        """The entries sorted by position per row, padding last (deferred entries kept in a
+        ring are observed this way, in one forward)."""
+        order = jnp.argsort(jnp.where(self.positions >= 0, self.positions,
+                                      jnp.iinfo(jnp.int32).max), axis=1)
+        return jax.tree.map(
+            lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
+            self)
+
+    def cleared(self) -> Observation:
+        """The same buffers with every entry marked padding."""
+        return dataclasses.replace(self, positions=jnp.full_like(self.positions, -1))
+
 
 @runtime_checkable
 class Drafter(Protocol):

@@ -324,8 +324,8 @@ class GRPOTrainer:
         if s.history is not None:  # the history index's size (stored rollouts, tokens)
             m["history/rollouts"] = s.history.size()
             m["history/tokens"] = s.history.stored_tokens()
-        for k, v in self.rollouts.draft_stats.pop(done, {}).items():  # hybrid: by source
-            m[f"spec/{k}" if k in ("head_drafted", "head_skipped") else f"spec/accepted_{k}"] = v
+        for k, v in self.rollouts.draft_stats.pop(done, {}).items():  # the drafter's counters
+            m[f"spec/{k}"] = v
         if reuse.get("reuse/reused"):  # old == generation by construction: log the measured
             m["grpo/logprob_mismatch_max"] = reuse["reuse/mismatch_max"]
             m["grpo/logprob_mismatch_mean"] = reuse["reuse/mismatch_mean"]

@@ -200,3 +200,18 @@ def test_layer_copies_are_made_once_per_params_and_never_stale(policy, monkeypat
     assert len(made) == 3
     renamed = policy.with_config(attention_backend="reference")  # new config, same params
     assert engine._decoding_policy(renamed).config is renamed.config and len(made) == 3
+
+
+def test_layer_copies_go_with_their_params():
+    """The cache keeps only weak references to the params: once they are freed, so are the
+    copies (a long-lived process never holds a dead policy's layers)."""
+    import gc
+
+    from jaxspec.decoding import engine
+
+    p = Policy.init(ModelConfig.tiny("qwen3", num_layers=2), jax.random.key(3))
+    engine._decoding_policy(p)
+    assert engine._UNSTACKED and engine._UNSTACKED[0][0][0]() is jax.tree.leaves(p.params)[0]
+    del p
+    gc.collect()
+    assert not engine._UNSTACKED

@@ -238,14 +238,12 @@ def test_speculative_equals_plain(policy, history_store, kind, temperature):
     if temperature == 0.0:  # identical greedy siblings: the group drafts for itself
         assert spec.stats.acceptance_length > 2.0
     if kind == "hybrid":  # accepted drafts by source: every emitted draft counted once
-        by_source = sum(int(spec.draft_stats[s]) for s in ("history_only", "head_only", "both"))
+        by_source = sum(int(spec.draft_stats[f"accepted_{s}"]) for s in ("history_only", "head_only", "both"))
         assert by_source == int(np.sum(spec.stats.accepted_at))
         assert by_source > 0 or temperature > 0
-        assert set(spec.draft_stats) == {"history_only", "head_only", "both", "head_drafted",
-                                         "head_skipped"}
-        # one gate decision per proposal (the head drafts, or is skipped)
-        calls = int(spec.draft_stats["head_drafted"]) + int(spec.draft_stats["head_skipped"])
-        assert calls == int(spec.stats.target_forwards)
+        assert set(spec.draft_stats) == {"accepted_history_only", "accepted_head_only",
+                                         "accepted_both", "head_drafted"}
+        assert 0 <= int(spec.draft_stats["head_drafted"]) <= int(spec.stats.target_forwards)
 
 
 @pytest.mark.parametrize("seed", [2, 3])
@@ -274,17 +272,17 @@ def test_hybrid_gate_drafts_the_head_only_where_history_falls_short(policy, seed
         return tree, st.source, drafter.draft_stats(st)
 
     tree, source, stats = propose(gated, jnp.asarray(covered))  # uncovered rows not live
-    assert (int(stats["head_drafted"]), int(stats["head_skipped"])) == (0, 1)
+    assert int(stats["head_drafted"]) == 0
     assert np.all(np.asarray(source)[np.asarray(tree.tokens) >= 0] == HISTORY)
     for b, (_, matches) in enumerate(ref):
         assert _tree_paths(tree, b) == _reference_tree(matches, budget), b
     live = covered.copy()
     live[np.flatnonzero(~covered)[0]] = True  # one uncovered live row: the head drafts
     tree, source, stats = propose(gated, jnp.asarray(live))
-    assert (int(stats["head_drafted"]), int(stats["head_skipped"])) == (1, 0)
+    assert int(stats["head_drafted"]) == 1
     assert np.any(np.asarray(source) & HEAD)
     tree_always, _, stats = propose(always, jnp.asarray(covered))
-    assert (int(stats["head_drafted"]), int(stats["head_skipped"])) == (1, 0)
+    assert int(stats["head_drafted"]) == 1
     for b in range(len(lengths)):
         assert _tree_paths(tree, b) == _tree_paths(tree_always, b), b
 

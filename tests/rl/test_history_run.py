@@ -141,11 +141,13 @@ def test_history_run_with_fewer_slots_than_rollouts(tmp_path, monkeypatch):
 
 def test_hybrid_run_logs_sources_and_head_calls(tmp_path):
     """draft.kind hybrid in the trainer: every step equals plain decoding, logs accepted
-    drafts by source under spec/accepted_*, and one head-gate decision per loop iteration
-    (spec/head_drafted + spec/head_skipped = spec/target_forwards)."""
+    drafts by source under spec/accepted_* and the loop iterations the head drafted in
+    (spec/head_drafted, at most one per iteration; a random policy's first step has no
+    history deep enough to skip it every time)."""
     GRPOTrainer(make_config(tmp_path, "draft.kind=hybrid", "run.steps=2")).run()
     for r in rows(tmp_path):
         assert r["replay_identical"] == 1.0
         assert {"spec/accepted_history_only", "spec/accepted_head_only",
                 "spec/accepted_both"} <= set(r)
-        assert r["spec/head_drafted"] + r["spec/head_skipped"] == r["spec/target_forwards"]
+        assert 0 <= r["spec/head_drafted"] <= r["spec/target_forwards"]
+    assert rows(tmp_path)[0]["spec/head_drafted"] > 0
