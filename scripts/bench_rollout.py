@@ -18,7 +18,9 @@ c(k+1)/c(1) is measured the same way, timing one policy forward of k+1 tokens ag
 of 1 token on a cache holding the prompt and half of the longest completion; for a drafter
 with forwards (EAGLE-3, MTP, a draft model) so is c_draft/c(1), one iteration's drafter work
 (its proposal and its observation of k+1 entries), and the row adds the bound with the draft
-tau * c(1) / (c(k+1) + c_draft) and the efficiency against it.
+tau * c(1) / (c(k+1) + c_draft) and the efficiency against it. Forwards are timed as the
+engine runs them (`jaxspec.decoding.decoding_policy`). `--calls N` times N generate calls
+of `batch` prompts each (the next prompts every call): a batch-1 row over N rollouts.
 
 `--oracle A` replaces the drafters by the oracle drafter (jaxspec.decoding.oracle): drafts
 are the plain rollout's own tokens, the one at depth j corrupted with probability 1 - A_j
@@ -43,7 +45,7 @@ from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
 from jaxspec.decoding.protocols import DraftContext, Observation
 from jaxspec.decoding.verify import replay_noise
-from jaxspec.decoding.engine import generate, pad_prompts
+from jaxspec.decoding.engine import decoding_policy, generate, pad_prompts
 from jaxspec.decoding.oracle import oracle_drafter
 from jaxspec.models import Policy, load_hf
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
@@ -77,6 +79,9 @@ def _parse(argv=None):
     p.add_argument("--tokenizer", help="local HF tokenizer directory (with --prompts)")
     p.add_argument("--prompts", help="JSONL file of {\"prompt\": str} lines (needs --tokenizer)")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--calls", type=int, default=1,
+                   help="generate calls per timed run, each on the next `batch` prompts (batch x calls "
+                   "prompts in all): e.g. a batch-1 row over several rollouts instead of one")
     p.add_argument("--max-new-tokens", type=int, default=168)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--method", default="replay", choices=["replay", "greedy", "rejection"])
@@ -131,7 +136,9 @@ def _prompts(args, vocab: int):
 def _forward_loops(policy, batch: int, context: int, widths, reps: int = 20) -> dict:
     """{t: a compiled call running `reps` policy forwards of t tokens per row}, on a cache
     holding `context` tokens, in one loop (as inside the engine, so per-call dispatch is not
-    counted); each compiled here."""
+    counted); each compiled here. The policy decodes as `generate` does (`decoding_policy`:
+    on CPU its per-layer weight copies, not the stacked scan that copies them every forward)."""
+    policy = decoding_policy(policy)
     cache = policy.init_cache(batch, context + max(widths) + 1)
     pre = jnp.zeros((batch, context), jnp.int32)
     _, _, cache = policy.forward(pre, jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), pre.shape), cache)
@@ -168,6 +175,7 @@ def _draft_cost(policy, drafter, batch: int, context: int, rounds: int, key, rep
     (model-free: its lookups are counted in the engine's bookkeeping, not here)."""
     if drafter.forwards_per_propose + drafter.forwards_per_observe == 0:
         return 0.0
+    policy = decoding_policy(policy)  # as the engine runs the drafter (its captured features)
     span = drafter.max_depth + 1
     max_len = context + reps * span + span + 2
     vocab = policy.config.vocab_size
@@ -264,6 +272,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--ks must be >= 1; got {ks}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
+    if args.calls < 1:
+        raise SystemExit(f"--calls must be >= 1; got {args.calls}")
     oracle = None
     if args.oracle is not None:
         try:
@@ -300,50 +310,71 @@ def main(argv=None) -> int:
     plain_method = "replay" if args.method == "rejection" else args.method
     rows = []
     for batch in batches:
-        prompts = pad_prompts([ids[i % len(ids)] for i in range(batch)], tok.pad_id)
+        # `calls` groups of `batch` prompts, padded to one width (one program for all)
+        every, every_len = pad_prompts([ids[i % len(ids)] for i in range(batch * args.calls)], tok.pad_id)
+        groups = [(every[c * batch:(c + 1) * batch], every_len[c * batch:(c + 1) * batch])
+                  for c in range(args.calls)]
+        width = int(every.shape[1])
         common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, key=key,
                       stop_tokens=tuple(tok.eos_ids), pad_id=tok.pad_id)
-        run_plain = lambda prompts=prompts, common=common: generate(policy, prompts, **common, method=plain_method)  # noqa: E731
-        plain = run_plain()  # compile
-        longest = int(np.max(plain.lengths))
+
+        def run_plain(groups=groups, common=common):
+            return [generate(policy, g, **common, method=plain_method) for g in groups]
+
+        plains = run_plain()  # compile
+        plain_lengths = np.concatenate([np.asarray(p.lengths) for p in plains])
+        longest = int(np.max(plain_lengths))
         plain_bound = None
         if bandwidth:  # plain decodes `longest` steps over caches of prompt + t tokens
-            w, kv = decode_bytes(policy, batch, int(prompts[0].shape[1]) + longest / 2)
-            plain_bound = longest * (w + kv) / (bandwidth * 1e9)
-        cost = _verify_cost(policy, batch, int(prompts[0].shape[1]) + longest // 2, ks, args.rounds)
+            w, kv = decode_bytes(policy, batch, width + longest / 2)
+            steps = sum(int(np.max(p.lengths)) for p in plains)
+            plain_bound = steps * (w + kv) / (bandwidth * 1e9)
+        cost = _verify_cost(policy, batch, width + longest // 2, ks, args.rounds)
         for name in names:
             for k in ks if name != "eagle3_tree" else [None]:
                 if name == "oracle":
                     acc = oracle * k if len(oracle) == 1 else oracle[:k]
-                    drafter = oracle_drafter(*prompts, plain.tokens, acc, vocab_size=vocab, seed=args.seed)
+                    ds = [oracle_drafter(*g, p.tokens, acc, vocab_size=vocab, seed=args.seed)
+                          for g, p in zip(groups, plains)]
                 else:
-                    drafter = _drafter(name, k, args, policy, head, small)
-                run_spec = lambda d=drafter: generate(policy, prompts, drafter=d, **common, method=args.method)  # noqa: E731
-                spec = run_spec()  # compile
+                    ds = [_drafter(name, k, args, policy, head, small)] * len(groups)
+                drafter = ds[0]
+
+                def run_spec(ds=ds, groups=groups, common=common):
+                    return [generate(policy, g, drafter=d, **common, method=args.method)
+                            for g, d in zip(groups, ds)]
+
+                specs = run_spec()  # compile
                 times = interleaved({"plain": run_plain, "spec": run_spec}, args.rounds)
                 speedup = median_ratio(times["plain"], times["spec"])
-                tau = spec.stats.acceptance_length
+                st = [x.stats for x in specs]
+                tau = (sum(float(np.sum(x.tokens_generated)) for x in st)
+                       / max(sum(float(np.sum(x.row_steps)) for x in st), 1.0))
+                per_position = (np.sum([np.asarray(x.accepted_at, np.float64) for x in st], axis=0)
+                                / np.maximum(np.sum([np.asarray(x.proposed_at, np.float64) for x in st], axis=0), 1.0))
                 c = cost.get(drafter.num_nodes)  # verify width num_nodes + 1 (k + 1 for chains)
                 if c is None:  # a tree: measure its own verify width
-                    c = _verify_cost(policy, batch, int(prompts[0].shape[1]) + longest // 2,
+                    c = _verify_cost(policy, batch, width + longest // 2,
                                      [drafter.num_nodes], args.rounds)[drafter.num_nodes]
                 bound = tau / c
-                draft = _draft_cost(policy, drafter, batch, int(prompts[0].shape[1]) + longest // 2,
+                draft = _draft_cost(policy, drafter, batch, width + longest // 2,
                                     args.rounds, key) if name != "oracle" else 0.0
                 full_bound = tau / (c + draft)  # tau c(1) / (c(k+1) + c_draft), per iteration
+                plain_tokens = int(np.sum(plain_lengths))
                 rows.append(dict(
-                    drafter=name, k=k if k is not None else args.tree, batch=batch,
+                    drafter=name, k=k if k is not None else args.tree, batch=batch, calls=args.calls,
                     acceptance=(acc if name == "oracle" else None),
                     tau=tau, acceptance_length=tau,
-                    per_position_acceptance=[round(x, 4) for x in spec.stats.per_position_acceptance.tolist()],
-                    target_forwards=int(spec.stats.target_forwards),
+                    per_position_acceptance=[round(x, 4) for x in per_position.tolist()],
+                    target_forwards=sum(int(x.target_forwards) for x in st),
                     plain_s=statistics.median(times["plain"]), spec_s=statistics.median(times["spec"]),
                     speedup=speedup, verify_cost=c, bound=bound, efficiency=speedup / bound,
                     draft_cost=draft, bound_with_draft=full_bound,
                     efficiency_with_draft=speedup / full_bound,
-                    tokens_equal_plain=bool(np.array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))),
-                    plain_tokens=int(np.sum(plain.lengths)), longest=longest,
-                    plain_tokens_per_s=float(np.sum(plain.lengths)) / statistics.median(times["plain"]),
+                    tokens_equal_plain=all(np.array_equal(np.asarray(x.tokens), np.asarray(p.tokens))
+                                           for x, p in zip(specs, plains)),
+                    plain_tokens=plain_tokens, longest=longest,
+                    plain_tokens_per_s=plain_tokens / statistics.median(times["plain"]),
                     plain_of_memory_bound=(plain_bound / statistics.median(times["plain"])
                                            if plain_bound else None),
                 ))
@@ -362,7 +393,8 @@ def main(argv=None) -> int:
         backend=jax.default_backend(), policy=args.policy or args.config, eagle3=args.eagle3,
         params=int(sum(x.size for x in jax.tree.leaves(policy.params))),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, method=args.method,
-        rounds=args.rounds, read_bandwidth_gbps=bandwidth, rows=rows, argv=sys.argv[1:] if argv is None else list(argv),
+        rounds=args.rounds, calls=args.calls, read_bandwidth_gbps=bandwidth, rows=rows,
+        argv=sys.argv[1:] if argv is None else list(argv),
     )
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)

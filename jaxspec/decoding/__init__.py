@@ -12,7 +12,7 @@ from jaxspec.decoding.drafters import (  # noqa: E402  (drafters build on the ab
     NoDrafter,
     TreeSpec,
 )
-from jaxspec.decoding.engine import Rollouts, RolloutStats, generate  # noqa: E402
+from jaxspec.decoding.engine import Rollouts, RolloutStats, decoding_policy, generate  # noqa: E402
 from jaxspec.decoding.adaptive import AdaptiveK, measure_costs  # noqa: E402
 from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter  # noqa: E402
 
@@ -37,6 +37,7 @@ __all__ = [
     "Tree",
     "TreeSpec",
     "Verdict",
+    "decoding_policy",
     "generate",
     "measure_costs",
     "process_logits",

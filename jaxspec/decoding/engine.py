@@ -241,7 +241,7 @@ def _generate(
     if check_prompts is not None:
         check_prompts(batch)
 
-    policy = _decoding_policy(policy)
+    policy = decoding_policy(policy)
     tiers = _capacity_tiers(policy, drafter, slots, width, nodes, max_len, grow_cache)
     iteration_cap = 2**31 - 1 if max_iterations is None else max_iterations
     start = time.perf_counter()
@@ -301,14 +301,19 @@ def _forget(entry) -> None:  # a cached entry's params were freed: free its copi
             _UNSTACKED.clear()
 
 
-def _decoding_policy(policy: Policy) -> Policy:
-    """`policy` with its per-layer weight copies attached when decoding unrolls the layers
-    (CPU, `Policy.decodes_unrolled`), made once per params object and reused by every later
-    call with the same arrays. Made inside each call's program instead, the copies cost
-    every call one pass over the weights into fresh memory: ~125 ms at 75M parameters on a
-    2-core CPU, 30% of a one-rollout call (docs/BENCHMARKS.md). The cache holds one params
-    object's copies (one more copy of the layer weights in host memory) and only weak
-    references to the params: the copies go when the params do."""
+def decoding_policy(policy: Policy) -> Policy:
+    """`policy` as `generate` decodes with it: with its per-layer weight copies attached
+    when decoding unrolls the layers (CPU, `Policy.decodes_unrolled`), made once per params
+    object and reused by every later call with the same arrays. Made inside each call's
+    program instead, the copies cost every call one pass over the weights into fresh
+    memory: ~125 ms at 75M parameters on a 2-core CPU, 30% of a one-rollout call
+    (docs/BENCHMARKS.md). The cache holds one params object's copies (one more copy of the
+    layer weights in host memory) and only weak references to the params: the copies go
+    when the params do.
+
+    Time a policy's forwards through it to measure what the engine pays: a bare policy's
+    forward on CPU scans the stacked layers, which copies each layer's weights at every
+    forward (c(1) of the 75M policy 11.2 ms bare, 9.1 ms through this)."""
     if policy.layer_params is not None or not policy.decodes_unrolled(0, 0):
         return policy
     leaves = jax.tree.leaves(policy.params)
@@ -437,6 +442,9 @@ class _LoopState:
     pending: Observation | None = None  # adaptive k: entries [slots, window] not yet observed
     # adaptive k: prompts started during k = 0, [slots, width] prefill entries not yet observed
     pending_prompt: Observation | None = None
+    # adaptive k: [slots] bool rows started during k = 0 whose drafter row is reset at the next
+    # flush, not at the start (a drafter with its own `refill_state` is reset at the start)
+    pending_reset: jax.Array | None = None
 
 
 def _state_row_axes(drafter: Drafter, policy: Policy, batch: int, max_len: int) -> list:
@@ -477,6 +485,23 @@ def _refill_draft_state(drafter, policy, state, axes, slot, obs: Observation, ma
     return treedef.unflatten(out)
 
 
+def _reset_draft_rows(drafter, policy, state, axes, mask, max_len: int):
+    """The drafter's state with the rows where `mask` [slots] is True started afresh (every
+    per-row leaf's rows from a fresh one-row state, as `_refill_draft_state` does without
+    observing; shared leaves kept). One select per leaf, however many rows."""
+    leaves, treedef = jax.tree.flatten(state)
+    fresh = jax.tree.leaves(drafter.init_state(policy, 1, max_len))
+    out = []
+    for old, new, ax in zip(leaves, fresh, axes):
+        if ax is None:
+            out.append(old)
+            continue
+        shape = [1] * old.ndim
+        shape[ax] = old.shape[ax]
+        out.append(jnp.where(mask.reshape(shape), new.astype(old.dtype), old))
+    return treedef.unflatten(out)
+
+
 # state_in is donated: a later segment's loop takes over the grown state's buffers.
 @partial(jax.jit, static_argnames=("max_new_tokens", "max_len", "method", "pad_id", "slots", "phase"),
          donate_argnames=("state_in",))
@@ -513,7 +538,11 @@ def _generate_jit(
     # Adaptive k = 0 skips a network drafter's observation; the entries wait in a window, and
     # a prompt started during k = 0 waits whole (observed with the window before the next draft).
     defer = adaptive is not None and drafter.forwards_per_observe > 0
-    # (on CPU `_generate` has attached the per-layer weight copies: `_decoding_policy`)
+    # A row started during k = 0 has its drafter row reset at the next flush, with every other
+    # such row in one select (`_reset_draft_rows`); a drafter with its own refill hook resets
+    # it when the rollout starts.
+    reset_at_start = getattr(drafter, "refill_state", None) is not None
+    # (on CPU `_generate` has attached the per-layer weight copies: `decoding_policy`)
 
     if state_in is not None:  # a segment after the first: the grown state of the one before
         state = state_in
@@ -541,7 +570,7 @@ def _generate_jit(
             positions=pre_positions,
             captured=captured,
         ))
-        pending = pending_prompt = None
+        pending = pending_prompt = pending_reset = None
         if defer:
             def empty(n):
                 return Observation(
@@ -552,6 +581,7 @@ def _generate_jit(
                 )
             pending = empty(adaptive.window)
             pending_prompt = empty(width) if refill else None
+            pending_reset = jnp.zeros((batch,), bool) if refill and not reset_at_start else None
         state = _LoopState(
             buffer=buffer,
             logprobs=jnp.zeros((batch, max_len), jnp.float32),
@@ -571,6 +601,7 @@ def _generate_jit(
             adapt=None if adaptive is None else AdaptState.zeros(adaptive),
             pending=pending,
             pending_prompt=pending_prompt,
+            pending_reset=pending_reset,
         )
     draft_key = jax.random.split(key)[1]  # sampled drafts (rejection) never share the verifier's noise
     gen_offsets = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
@@ -596,22 +627,27 @@ def _generate_jit(
         return (jnp.any(~s.done) & (s.stats.target_forwards < max_iterations)
                 & jnp.all(s.done | (s.lengths + need <= max_len)))
 
-    def flush(draft_state, pending, pending_prompt):
-        """Observe the deferred entries (if any: prompts started during k = 0, then the
-        window) in one forward; -> (state, window, prompts, forwards). The window is a ring:
-        the entries go in position order, padding last."""
+    def flush(draft_state, pending, pending_prompt, pending_reset):
+        """Reset the drafter rows of rollouts started during k = 0 (if any) and observe the
+        deferred entries (if any: their prompts, then the window) in one forward; -> (state,
+        window, prompts, resets, forwards). The window is a ring: the entries go in position
+        order, padding last."""
         both = pending if pending_prompt is None else jax.tree.map(
             lambda a, b: jnp.concatenate([a, b], axis=1), pending_prompt, pending)
         has = jnp.any(both.positions >= 0)
+        resets = jnp.asarray(False) if pending_reset is None else jnp.any(pending_reset)
 
         def observe(st):
+            if pending_reset is not None:
+                st = _reset_draft_rows(drafter, policy, st, row_axes, pending_reset, max_len)
             return drafter.observe(st, policy, both.in_position_order())
 
         def cleared(obs):
             return None if obs is None else obs.cleared()
 
-        draft_state = jax.lax.cond(has, observe, lambda st: st, draft_state)
+        draft_state = jax.lax.cond(has | resets, observe, lambda st: st, draft_state)
         return (draft_state, cleared(pending), cleared(pending_prompt),
+                None if pending_reset is None else jnp.zeros_like(pending_reset),
                 has.astype(jnp.int32) * drafter.forwards_per_observe)
 
     def step(s: _LoopState, d: Drafter, k: int | None, record: bool = True):
@@ -643,10 +679,12 @@ def _generate_jit(
             if refill else None,
             live=active,
         )
-        draft_state, pending, pending_prompt, flushed = s.draft_state, s.pending, s.pending_prompt, 0
+        draft_state, pending, pending_prompt, pending_reset, flushed = (
+            s.draft_state, s.pending, s.pending_prompt, s.pending_reset, 0)
         st_iter = s.stats.target_forwards
         if defer and k:
-            draft_state, pending, pending_prompt, flushed = flush(draft_state, pending, pending_prompt)
+            draft_state, pending, pending_prompt, pending_reset, flushed = flush(
+                draft_state, pending, pending_prompt, pending_reset)
         tree, draft_probs, draft_state = d.propose(draft_state, policy, ctx)
         num_nodes = d.num_nodes
         fed = jnp.concatenate([root, tree.tokens], axis=1)  # [batch, N+1]
@@ -724,10 +762,14 @@ def _generate_jit(
         out = dataclasses.replace(
             s, buffer=buffer, logprobs=logprobs, lengths=new_lengths, done=done, cache=cache,
             draft_state=draft_state, stats=stats, pending=pending, pending_prompt=pending_prompt,
+            pending_reset=pending_reset,
             adapt=s.adapt if k is None or k == 0 else s.adapt.update(adaptive, k, num_accepted, active, st_iter),
         )
         if refill:
-            out = _refill(harvest(out, done & ~s.done), defer_prompts=defer and k == 0)
+            # the window holds entries only in a plain phase's recording iterations (a draft
+            # iteration has flushed it before its refill; k = 0 records nothing before those)
+            out = _refill(harvest(out, done & ~s.done), defer_prompts=defer and k == 0,
+                          window_live=defer and k == 0 and record)
         return out
 
     def pick(s):
@@ -770,11 +812,15 @@ def _generate_jit(
     row_axes = _state_row_axes(drafter, policy, batch, max_len) if refill else None
     padded_prompts = jnp.full((num_prompts, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
 
-    def _refill(s: _LoopState, defer_prompts: bool = False) -> _LoopState:
+    def _refill(s: _LoopState, defer_prompts: bool = False, window_live: bool = False) -> _LoopState:
         """Start the next waiting prompts in the free slots (in slot order): their buffer
         rows, then one prefill forward and drafter observation per started slot
-        (defer_prompts, adaptive k = 0: the drafter's row starts empty and the prompt's
-        entries wait in `pending_prompt` for the next draft, so k = 0 pays no drafter work)."""
+        (defer_prompts, adaptive k = 0: the prompt's entries wait in `pending_prompt`, and
+        the drafter's row is reset at the next draft's flush, so k = 0 pays no drafter work).
+        window_live: the deferred window may hold entries of the rows started (their old
+        rollouts'), which go. Nothing else is cleared per iteration: a deferred prompt's row
+        of `pending_prompt` is rewritten whole by its prefill, and outside k = 0 the
+        iteration's flush has emptied it."""
         free = s.done
         nth = s.next_prompt + jnp.cumsum(free, dtype=jnp.int32) - 1  # places in `order`
         start = free & (nth < num_prompts)
@@ -782,13 +828,8 @@ def _generate_jit(
         prompt_of = jnp.where(start, order[jnp.minimum(nth, num_prompts - 1)], s.prompt_of)
         started_first = jnp.argsort(~start, stable=True).astype(jnp.int32)
 
-        pending_prompt = s.pending_prompt
-        if pending_prompt is not None:  # a new rollout's row: the old one's deferred prompt goes
-            pending_prompt = dataclasses.replace(
-                pending_prompt, positions=jnp.where(start[:, None], -1, pending_prompt.positions))
-
         def prefill_one(i, carry):
-            cache, draft_state, pending_prompt = carry
+            cache, draft_state, pending_prompt, pending_reset = carry
             slot = started_first[i]
             p = prompt_of[slot]
             toks = jax.lax.dynamic_slice_in_dim(prompt_tokens, p, 1, axis=0)  # [1, width]
@@ -803,16 +844,19 @@ def _generate_jit(
             )
             obs = Observation(fed_tokens=toks, next_tokens=jnp.roll(toks, -1, axis=1),
                               positions=pos, captured=captured)
-            draft_state = _refill_draft_state(drafter, policy, draft_state, row_axes, slot, obs, max_len,
-                                              observe=not defer_prompts)
-            if defer_prompts:
+            if not defer_prompts or reset_at_start:
+                draft_state = _refill_draft_state(drafter, policy, draft_state, row_axes, slot, obs,
+                                                  max_len, observe=not defer_prompts)
+            if defer_prompts:  # the slot's whole row: the old rollout's deferred prompt goes
                 pending_prompt = jax.tree.map(
                     lambda w, e: jax.lax.dynamic_update_slice_in_dim(w, e.astype(w.dtype), slot, axis=0),
                     pending_prompt, obs)
-            return cache, draft_state, pending_prompt
+                if pending_reset is not None:
+                    pending_reset = pending_reset.at[slot].set(True)
+            return cache, draft_state, pending_prompt, pending_reset
 
-        cache, draft_state, pending_prompt = jax.lax.fori_loop(
-            0, n_start, prefill_one, (s.cache, s.draft_state, pending_prompt))
+        cache, draft_state, pending_prompt, pending_reset = jax.lax.fori_loop(
+            0, n_start, prefill_one, (s.cache, s.draft_state, s.pending_prompt, s.pending_reset))
         st = s.stats
         stats = dataclasses.replace(
             st,
@@ -820,13 +864,14 @@ def _generate_jit(
             draft_forwards=st.draft_forwards + (0 if defer_prompts else n_start * drafter.forwards_per_observe),
         )
         pending = s.pending
-        if pending is not None:  # a new rollout's row: the old one's deferred entries go
+        if window_live:  # a new rollout's row: the old one's deferred entries go
             pending = dataclasses.replace(
                 pending, positions=jnp.where(start[:, None], -1, pending.positions))
         return dataclasses.replace(
             s,
             pending=pending,
             pending_prompt=pending_prompt,
+            pending_reset=pending_reset,
             buffer=jnp.where(start[:, None], padded_prompts[prompt_of], s.buffer),
             logprobs=jnp.where(start[:, None], 0.0, s.logprobs),
             lengths=jnp.where(start, prompt_lengths[prompt_of], s.lengths),

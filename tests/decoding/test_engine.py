@@ -199,7 +199,7 @@ def test_layer_copies_are_made_once_per_params_and_never_stale(policy, monkeypat
     np.testing.assert_array_equal(run(policy), want["a"])  # the same params again: no copy
     assert len(made) == 3
     renamed = policy.with_config(attention_backend="reference")  # new config, same params
-    assert engine._decoding_policy(renamed).config is renamed.config and len(made) == 3
+    assert engine.decoding_policy(renamed).config is renamed.config and len(made) == 3
 
 
 def test_layer_copies_go_with_their_params():
@@ -210,7 +210,7 @@ def test_layer_copies_go_with_their_params():
     from jaxspec.decoding import engine
 
     p = Policy.init(ModelConfig.tiny("qwen3", num_layers=2), jax.random.key(3))
-    engine._decoding_policy(p)
+    engine.decoding_policy(p)
     assert engine._UNSTACKED and engine._UNSTACKED[0][0][0]() is jax.tree.leaves(p.params)[0]
     del p
     gc.collect()

@@ -90,17 +90,22 @@ def _bench_rollout():
 
 def test_bench_rollout_oracle_mode(tmp_path):
     """scripts/bench_rollout.py --oracle on a config's random policy: one row per (batch, k)
-    with speedup, tau, verify cost, bound and efficiency; perfect drafts emit k+1 per forward."""
+    with speedup, tau, verify cost, bound and efficiency; perfect drafts emit k+1 per forward.
+    --calls 2: two calls of 2 prompts each (4 prompts), each with its own oracle drafts."""
     import json
 
     root, bench = _bench_rollout()
     out = tmp_path / "b.json"
     assert bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.0",
-                       "--ks", "2", "--batches", "2", "--max-new-tokens", "9", "--rounds", "1",
-                       "--json", str(out)]) == 0
+                       "--ks", "2", "--batches", "2", "--calls", "2", "--max-new-tokens", "9",
+                       "--rounds", "1", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["tokens_equal_plain"] and (row["batch"], row["k"]) == (2, 2)
-    assert row["tau"] <= 3.0 and row["target_forwards"] <= 3  # ceil(9 / (k + 1)) forwards
+    assert row["tokens_equal_plain"] and (row["batch"], row["k"], row["calls"]) == (2, 2, 2)
+    assert 4 <= row["plain_tokens"] <= 4 * 9
+    # ceil(9 / (k + 1)) = 3 forwards per call, and a perfect draft's rows emit k + 1 a forward
+    assert row["tau"] <= 3.0 and row["target_forwards"] <= 2 * 3
+    with pytest.raises(SystemExit, match="--calls"):
+        bench.main(["--config", str(root / "configs" / "tiny.yaml"), "--oracle", "1.0", "--calls", "0"])
     assert row["bound"] == pytest.approx(row["tau"] / row["verify_cost"])
     assert row["efficiency"] == pytest.approx(row["speedup"] / row["bound"])
     with pytest.raises(SystemExit, match="--oracle"):
