@@ -475,8 +475,9 @@ class HybridDrafter:
     observation of the verified tokens either. Those wait in a ring of the last
     `ring_size` positions per row (`window`, default max(16, max_depth + 1)), and the head
     observes them in one forward just before its next draft (older ones it never sees: a
-    draft after a long history stretch has less context; lossless anyway). A prompt (an
-    observation wider than one verify's commits) it observes at once, whole. False: the
+    draft after a long history stretch has less context; lossless anyway). A prompt goes
+    into the ring too when the ring holds it whole; a longer one the head observes at once,
+    whole. False: the
     head observes and drafts at every iteration. (RolloutStats' draft_forwards counts the
     head's forwards as if it ran every iteration; `draft_stats` has the iterations it did
     run.)"""
@@ -545,11 +546,15 @@ class HybridDrafter:
             accepted = accepted + jnp.stack([jnp.sum(hit & (src == s)) for s in
                                              (HISTORY, HEAD, HISTORY | HEAD)]).astype(jnp.int32)
             current = jnp.where(hit, node, -2)
-        if self.gate and obs.positions.shape[1] <= self.max_depth + 1:
-            # a verify's commits: the head observes them later, just before it drafts
+        if self.gate and obs.positions.shape[1] <= self.ring_size:
+            # a verify's commits, or a prompt the ring holds whole: the head observes them
+            # later, just before it drafts (a prompt observed at once costs a head forward
+            # per started rollout: the main job's speculative generation took 1.2-1.4x as
+            # long, docs/BENCHMARKS.md)
             return dataclasses.replace(state, accepted=accepted,
                                        pending=_ring_write(state.pending, obs))
-        # wider: a prompt, observed now and whole (its row is fresh, so nothing is pending)
+        # wider than the ring: a long prompt, observed now and whole (its row is fresh, so
+        # nothing is pending)
         head = self.head.observe(state.head, policy, obs)
         return dataclasses.replace(state, head=head, accepted=accepted)
 

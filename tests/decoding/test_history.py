@@ -458,32 +458,38 @@ def test_hybrid_ring_holds_a_verify_whatever_the_depth():
         HybridDrafter(shallow, Eagle3Drafter(head, k=2), budget=4, window=3)
 
 
-def test_gated_head_observes_a_long_prompt_whole(policy):
-    """A prompt wider than the ring (24 > 16 positions) is observed at once and whole: after
-    it and one verify's commits, the flushed head equals the head that observed both."""
+@pytest.mark.parametrize("width", [24, 8])
+def test_gated_head_observes_a_prompt_whole(policy, width):
+    """A prompt wider than the ring (24 > 16 positions) is observed at once; one the ring
+    holds (8) waits in it, with the verify's commits after it, for the next draft (the
+    head's cache is untouched until then). Either way, after the prompt and one verify's
+    commits the flushed head equals the head that observed both, step by step."""
     head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
     chain = Eagle3Drafter(head, k=2)
     hybrid = HybridDrafter(HistoryDrafter.for_batch([0, 0], k=3, budget=4), chain, budget=4)
     batch, max_len = 2, 64
-    prompt, = _observations(policy, head, batch, 1, 24, seed=9)
-    full = dataclasses.replace(prompt, positions=jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (batch, 24)))
+    prompt, = _observations(policy, head, batch, 1, width, seed=9)
+    full = dataclasses.replace(prompt, positions=jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32),
+                                                                  (batch, width)))
     step, = _observations(policy, head, batch, 1, 4, seed=10)
-    step = dataclasses.replace(step, positions=jnp.where(step.positions >= 0, step.positions + 24, -1))
+    step = dataclasses.replace(step, positions=jnp.where(step.positions >= 0, step.positions + width, -1))
     ctx = _context(np.zeros((batch, max_len), np.int32), np.full(batch, 1, np.int32))
 
     @jax.jit  # one program each (eager, the head's ops cost ~10 s of dispatch)
     def gated():
         state = hybrid.init_state(policy, batch, max_len)
         state = hybrid.observe(hybrid.observe(state, policy, full), policy, step)
-        return hybrid._flush_and_draft(state, policy, ctx)[2]
+        return hybrid._flush_and_draft(state, policy, ctx)[2], state.head.cache.lengths
 
     @jax.jit
     def stepwise():
         state = chain.init_state(policy, batch, max_len)
         return chain.observe(chain.observe(state, policy, full), policy, step)
 
-    flushed, want = gated(), stepwise()
+    (flushed, before_flush), want = gated(), stepwise()
+    # observed at once (24) or deferred (8): the head's cache before the flush
+    np.testing.assert_array_equal(before_flush, np.full(batch, width if width > 16 else 0))
     np.testing.assert_array_equal(flushed.cache.lengths, want.cache.lengths)
-    assert int(np.min(want.cache.lengths)) > 24  # the whole prompt, then the step
+    assert int(np.min(want.cache.lengths)) > width  # the whole prompt, then the step
     np.testing.assert_allclose(flushed.cache.k, want.cache.k, atol=1e-5)
     np.testing.assert_allclose(flushed.last_hidden, want.last_hidden, atol=1e-4)
