@@ -325,10 +325,12 @@ def main(argv=None) -> int:
         plain_lengths = np.concatenate([np.asarray(p.lengths) for p in plains])
         longest = int(np.max(plain_lengths))
         plain_bound = None
-        if bandwidth:  # plain decodes `longest` steps over caches of prompt + t tokens
-            w, kv = decode_bytes(policy, batch, width + longest / 2)
-            steps = sum(int(np.max(p.lengths)) for p in plains)
-            plain_bound = steps * (w + kv) / (bandwidth * 1e9)
+        if bandwidth:  # each call decodes its longest row's steps over caches of prompt + t tokens
+            plain_bound = 0.0
+            for p in plains:
+                steps = int(np.max(p.lengths))
+                w, kv = decode_bytes(policy, batch, width + steps / 2)
+                plain_bound += steps * (w + kv) / (bandwidth * 1e9)
         cost = _verify_cost(policy, batch, width + longest // 2, ks, args.rounds)
         for name in names:
             for k in ks if name != "eagle3_tree" else [None]:

@@ -637,15 +637,21 @@ def _generate_jit(
         has = jnp.any(both.positions >= 0)
         resets = jnp.asarray(False) if pending_reset is None else jnp.any(pending_reset)
 
+        def reset(st):
+            return _reset_draft_rows(drafter, policy, st, row_axes, pending_reset, max_len)
+
         def observe(st):
-            if pending_reset is not None:
-                st = _reset_draft_rows(drafter, policy, st, row_axes, pending_reset, max_len)
             return drafter.observe(st, policy, both.in_position_order())
+
+        def catch_up(st):  # the inner conditionals run only where there is something to do
+            if pending_reset is not None:
+                st = jax.lax.cond(resets, reset, lambda t: t, st)
+            return jax.lax.cond(has, observe, lambda t: t, st)
 
         def cleared(obs):
             return None if obs is None else obs.cleared()
 
-        draft_state = jax.lax.cond(has | resets, observe, lambda st: st, draft_state)
+        draft_state = jax.lax.cond(has | resets, catch_up, lambda st: st, draft_state)
         return (draft_state, cleared(pending), cleared(pending_prompt),
                 None if pending_reset is None else jnp.zeros_like(pending_reset),
                 has.astype(jnp.int32) * drafter.forwards_per_observe)

@@ -475,9 +475,10 @@ class HybridDrafter:
     observation of the verified tokens either. Those wait in a ring of the last
     `ring_size` positions per row (`window`, default max(16, max_depth + 1)), and the head
     observes them in one forward just before its next draft (older ones it never sees: a
-    draft after a long history stretch has less context; lossless anyway). A prompt goes
-    into the ring too when the ring holds it whole; a longer one the head observes at once,
-    whole. False: the
+    draft after a long history stretch has less context; lossless anyway). A prompt no
+    wider than the ring goes into it the same way (so its oldest entries, too, drop out
+    when more than `ring_size` positions are committed before the head's next draft); a
+    wider one the head observes at once, whole. False: the
     head observes and drafts at every iteration. (RolloutStats' draft_forwards counts the
     head's forwards as if it ran every iteration; `draft_stats` has the iterations it did
     run.)"""
