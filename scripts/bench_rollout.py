@@ -349,11 +349,10 @@ def main(argv=None) -> int:
                 specs = run_spec()  # compile
                 times = interleaved({"plain": run_plain, "spec": run_spec}, args.rounds)
                 speedup = median_ratio(times["plain"], times["spec"])
-                st = [x.stats for x in specs]
-                tau = (sum(float(np.sum(x.tokens_generated)) for x in st)
-                       / max(sum(float(np.sum(x.row_steps)) for x in st), 1.0))
-                per_position = (np.sum([np.asarray(x.accepted_at, np.float64) for x in st], axis=0)
-                                / np.maximum(np.sum([np.asarray(x.proposed_at, np.float64) for x in st], axis=0), 1.0))
+                # the calls' counters summed (same shapes): the rates over all of them
+                total = jax.tree.map(lambda *xs: np.sum([np.asarray(x) for x in xs], axis=0),
+                                     *[x.stats for x in specs])
+                tau = total.acceptance_length
                 c = cost.get(drafter.num_nodes)  # verify width num_nodes + 1 (k + 1 for chains)
                 if c is None:  # a tree: measure its own verify width
                     c = _verify_cost(policy, batch, width + longest // 2,
@@ -367,8 +366,8 @@ def main(argv=None) -> int:
                     drafter=name, k=k if k is not None else args.tree, batch=batch, calls=args.calls,
                     acceptance=(acc if name == "oracle" else None),
                     tau=tau, acceptance_length=tau,
-                    per_position_acceptance=[round(x, 4) for x in per_position.tolist()],
-                    target_forwards=sum(int(x.target_forwards) for x in st),
+                    per_position_acceptance=[round(x, 4) for x in total.per_position_acceptance.tolist()],
+                    target_forwards=int(total.target_forwards),
                     plain_s=statistics.median(times["plain"]), spec_s=statistics.median(times["spec"]),
                     speedup=speedup, verify_cost=c, bound=bound, efficiency=speedup / bound,
                     draft_cost=draft, bound_with_draft=full_bound,

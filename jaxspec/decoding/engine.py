@@ -461,23 +461,18 @@ def _state_row_axes(drafter: Drafter, policy: Policy, batch: int, max_len: int) 
     return axes
 
 
-def _refill_draft_state(drafter, policy, state, axes, slot, obs: Observation, max_len: int,
-                        observe: bool = True):
+def _refill_draft_state(drafter, policy, state, axes, slot, obs: Observation, max_len: int):
     """The drafter's state with row `slot` started afresh on a new prompt (`obs`: its one-row
-    prefill; observe=False: the row starts empty, its prompt observed later). A drafter's own
-    `refill_state(state, policy, slot, obs, max_len)` wins; the default replaces the slot's
-    rows of every per-row leaf by those of a fresh one-row state that has observed the
-    prompt, and takes shared leaves (counters) from it."""
-    if not observe:  # nothing to observe: every position padding
-        obs = dataclasses.replace(obs, positions=jnp.full_like(obs.positions, -1))
+    prefill). A drafter's own `refill_state(state, policy, slot, obs, max_len)` wins; the
+    default replaces the slot's rows of every per-row leaf by those of a fresh one-row state
+    that has observed the prompt, and takes shared leaves (counters) from it."""
     hook = getattr(drafter, "refill_state", None)
     if hook is not None:
         return hook(state, policy, slot, obs, max_len)
     leaves, treedef = jax.tree.flatten(state)
     fresh = jax.tree.leaves(drafter.init_state(policy, 1, max_len))
     sub = [old if ax is None else new for old, new, ax in zip(leaves, fresh, axes)]
-    if observe:
-        sub = jax.tree.leaves(drafter.observe(treedef.unflatten(sub), policy, obs))
+    sub = jax.tree.leaves(drafter.observe(treedef.unflatten(sub), policy, obs))
     out = [
         new if ax is None else jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), slot, ax)
         for old, new, ax in zip(leaves, sub, axes)
@@ -815,7 +810,8 @@ def _generate_jit(
         return dataclasses.replace(s, stats=dataclasses.replace(
             st, k_iterations=st.k_iterations.at[0].add(st.target_forwards - start)))
 
-    row_axes = _state_row_axes(drafter, policy, batch, max_len) if refill else None
+    # the default refill and reset need each state leaf's row axis; a refill hook does not
+    row_axes = _state_row_axes(drafter, policy, batch, max_len) if refill and not reset_at_start else None
     padded_prompts = jnp.full((num_prompts, max_len), pad_id, jnp.int32).at[:, :width].set(prompt_tokens)
 
     def _refill(s: _LoopState, defer_prompts: bool = False, window_live: bool = False) -> _LoopState:
@@ -850,9 +846,11 @@ def _generate_jit(
             )
             obs = Observation(fed_tokens=toks, next_tokens=jnp.roll(toks, -1, axis=1),
                               positions=pos, captured=captured)
-            if not defer_prompts or reset_at_start:
+            if not defer_prompts:
                 draft_state = _refill_draft_state(drafter, policy, draft_state, row_axes, slot, obs,
-                                                  max_len, observe=not defer_prompts)
+                                                  max_len)
+            elif reset_at_start:  # a hook's row starts empty now; its prompt waits for the flush
+                draft_state = drafter.refill_state(draft_state, policy, slot, obs.cleared(), max_len)
             if defer_prompts:  # the slot's whole row: the old rollout's deferred prompt goes
                 pending_prompt = jax.tree.map(
                     lambda w, e: jax.lax.dynamic_update_slice_in_dim(w, e.astype(w.dtype), slot, axis=0),

@@ -128,7 +128,9 @@ class Drafter(Protocol):
     are replaced by those of a fresh one-row state that has observed the new prompt; other
     leaves are shared (e.g. counters) and taken from that observation. Optional overrides:
     `refill_state(state, policy, row, obs, max_len) -> state` (row: a traced int32 scalar,
-    obs: the prompt's one-row Observation). A drafter that reads other rollouts finds them
+    obs: the prompt's one-row Observation; under adaptive k = 0 every position is padding,
+    the row starts empty and the prompt is observed later; with the hook the state needs no
+    row axis). A drafter that reads other rollouts finds them
     by prompt, not by row: `DraftContext.sequences` says which prompt each row holds and
     `DraftContext.finished` holds the rollouts that left their rows (as `HistoryDrafter`
     does). A drafter built for one call's prompts may define `check_prompts(n)`, called on

@@ -257,6 +257,39 @@ class _Recorder:
         return dict(ok=state["ok"], drafts=state["drafts"])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _HookedRecorder(_Recorder):
+    """The recorder with its own `refill_state` and a state leaf no row axis describes
+    ([batch, batch]: the engine's default refill could not slice it)."""
+
+    def init_state(self, policy, batch, max_len):
+        return dict(super().init_state(policy, batch, max_len), pairs=jnp.zeros((batch, batch)))
+
+    def refill_state(self, state, policy, row, obs, max_len):
+        fresh = super().init_state(policy, 1, max_len)
+        state = dict(state, **{k: jax.lax.dynamic_update_slice_in_dim(state[k], fresh[k], row, 0)
+                               for k in ("seen", "last", "fed", "next")})
+        b = state["last"].shape[0]  # the one-row prefill on every row, padding but on `row`
+        wide = jax.tree.map(lambda x: jnp.broadcast_to(x, (b,) + x.shape[1:]), obs)
+        mine = (jnp.arange(b) == row)[:, None]
+        return self.observe(state, policy, dataclasses.replace(
+            wide, positions=jnp.where(mine, wide.positions, -1)))
+
+
+def test_a_refill_hook_replaces_the_row_axes(setup):
+    """A drafter with `refill_state` refills through it, under adaptive k = 0 too (its row
+    starts empty and its prompt is observed at the next flush), and needs no row axis for
+    its state (a [batch, batch] leaf): every committed entry still reaches it once, in order."""
+    policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
+    adaptive = dataclasses.replace(SWITCHING, window=MAX_NEW + 8)
+    out = generate(policy, prompts, drafter=_HookedRecorder(), adaptive=adaptive, slots=3, **common)
+    _assert_plain(out, setup["plain"])
+    k_iters = np.asarray(out.stats.k_iterations)
+    assert k_iters[0] > 0 and k_iters[1:].sum() > 1, k_iters
+    assert bool(out.draft_stats["ok"])
+
+
 @pytest.mark.parametrize("slots", [None, 3])
 def test_deferred_observations_reach_the_drafter_whole_and_in_order(setup, slots):
     """Adaptive k = 0 defers a network drafter's observations (the window, and the prompts of
