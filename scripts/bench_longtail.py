@@ -22,8 +22,9 @@ Timing: every configuration is compiled first, then all are timed alternately (A
 
 `--adaptive`: instead, compare draft lengths on refill_S: plain, every fixed k = 1..K, and
 adaptive k (`jaxspec.decoding.adaptive`: costs measured once by `measure_costs` before the
-timing, then k chosen per iteration) and plain again (plain timed against itself: the
-noise floor); ratios against plain refill_S. `--drafter eagle3`
+timing, then k chosen per iteration; "adapt carry": each call starts from the last one's
+probe clock and acceptance, `AdaptiveK.after`, as the trainer runs it) and plain again
+(plain timed against itself: the noise floor); ratios against plain refill_S. `--drafter eagle3`
 drafts with a random EAGLE-3 head (real draft forwards, acceptance near chance) instead of
 the oracle.
 """
@@ -179,10 +180,18 @@ def _adaptive(args, policy, prompts, rows, common, drafter, completions) -> int:
     runs.update({f"k={k}": (lambda d=drafter.with_k(k): generate(policy, prompts, drafter=d, **kw))
                  for k in range(1, drafter.k + 1)})
     runs["adaptive"] = lambda: generate(policy, prompts, drafter=drafter, adaptive=adaptive, **kw)
+    carried = [adaptive]
+
+    def carry():  # as the trainer runs it: each call's probe clock and acceptance carried on
+        out = generate(policy, prompts, drafter=drafter, adaptive=carried[0], **kw)
+        carried[0] = carried[0].after(out)
+        return out
+
+    runs["adapt carry"] = carry
     runs["plain again"] = runs["plain"]  # plain against itself: the timing noise floor
     stats = {}
-    for name, fn in runs.items():  # compile, check the tokens, collect the counters
-        out = fn()
+
+    def collect(name, out):  # check the tokens, keep the counters
         assert np.array_equal(np.asarray(out.tokens), completions), f"{name}: tokens differ from plain"
         st = out.stats
         stats[name] = dict(iterations=int(st.target_forwards), acceptance_length=st.acceptance_length,
@@ -191,27 +200,38 @@ def _adaptive(args, policy, prompts, rows, common, drafter, completions) -> int:
                            (0.0 if name.startswith("plain") else float(name[2:])),
                            k_iterations=None if st.k_iterations is None else
                            np.asarray(st.k_iterations).tolist())
+
+    for name, fn in runs.items():  # compile, check the tokens, collect the counters
+        collect(name, fn())
     times = interleaved(runs, args.rounds)
+    collect("adapt carry", carry())  # a call of the carried run's steady state, not its first
     for name in runs:
         stats[name]["wall_s_median"] = float(statistics.median(times[name]))
-        stats[name]["speedup_vs_plain"] = float(statistics.median(
-            p / t for p, t in zip(times["plain"], times[name])))
+        ratios = sorted(p / t for p, t in zip(times["plain"], times[name]))
+        stats[name]["speedup_vs_plain"] = float(statistics.median(ratios))
+        # the spread of the per-round ratios (10th-90th percentile): the noise of this run
+        stats[name]["speedup_p10_p90"] = [float(ratios[len(ratios) // 10]),
+                                          float(ratios[-1 - len(ratios) // 10])]
     best = max((n for n in runs if n.startswith("k=")), key=lambda n: stats[n]["speedup_vs_plain"])
     adaptive_vs_best = float(statistics.median(b / a for a, b in zip(times["adaptive"], times[best])))
     summary = dict(
         machine=f"{platform.machine()} {platform.processor() or ''} cpus={len(jax.devices())} "
                 f"backend={jax.default_backend()}",
         args=vars(args), params=int(sum(x.size for x in jax.tree.leaves(policy.params))),
-        costs_ms=(np.asarray(adaptive.costs) * 1e3).tolist(), results=stats, times=times,
+        costs_ms=(np.asarray(adaptive.costs) * 1e3).tolist(),
+        probe_cost_ms=float(adaptive.probe_cost) * 1e3, results=stats, times=times,
         best_fixed=best, adaptive_vs_best_fixed=adaptive_vs_best,
     )
     print(f"{summary['params']} params; costs per iteration (ms) at k = {list(adaptive.ks)}: "
-          + ", ".join(f"{c:.2f}" for c in summary["costs_ms"]))
-    print(f"{'run':<11} {'iters':>6} {'tau':>5} {'tok/slot-step':>13} {'mean k':>6} {'wall s':>7} {'x plain':>8}  k iterations")
+          + ", ".join(f"{c:.2f}" for c in summary["costs_ms"])
+          + f"; a probe {summary['probe_cost_ms']:.2f} ms beyond k = 0")
+    print(f"{'run':<11} {'iters':>6} {'tau':>5} {'tok/slot-step':>13} {'mean k':>6} {'wall s':>7} "
+          f"{'x plain':>8} {'p10-p90':>11}  k iterations")
     for name, st in stats.items():
+        lo, hi = st["speedup_p10_p90"]
         print(f"{name:<11} {st['iterations']:>6} {st['acceptance_length']:>5.2f} "
               f"{st['tokens_per_slot_step']:>13.2f} {st['mean_k']:>6.2f} {st['wall_s_median']:>7.2f} "
-              f"{st['speedup_vs_plain']:>8.2f}  {st['k_iterations'] or ''}")
+              f"{st['speedup_vs_plain']:>8.3f} {lo:>5.2f}-{hi:<5.2f}  {st['k_iterations'] or ''}")
     print(f"adaptive vs the best fixed k ({best}): {adaptive_vs_best:.2f}x (median of per-round ratios)")
     with open(args.json, "w") as f:
         json.dump(summary, f, indent=1)

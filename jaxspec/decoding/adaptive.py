@@ -19,11 +19,17 @@ depth's estimate keeps being refreshed and a stale low one cannot lock a short k
 (probing only one k deeper than the best did: an unlucky early depth-3 estimate kept k = 1
 for a whole call). Only when no drafted k could win even with every depth past the first
 always accepted (E_k <= 1 + k alpha_1) does a probe draft the shallowest k: it still
-measures alpha_1, at the cost of one draft. A
-probe that leaves the best k unchanged doubles the interval to the next one (up to
-16 x probe_every; a probe at the shallowest k, of a drafter no k could make pay,
-quadruples it, up to 64 x probe_every), one that changes it resets the interval: bad
-drafts cost few probes. A drafter whose `observe` runs a
+measures alpha_1, at the cost of one draft. A probe that leaves the best k unchanged
+doubles the interval to the next one (up to 16 x probe_every), one that changes it resets
+the interval. A probe after which no k could make the drafter pay (whatever it changed)
+quadruples it (up to 64 x probe_every) and waits at least probe_cost / (probe_budget x
+c_0) iterations: `measure_costs` measures what a probe adds to the k = 0 iteration it
+replaces (its draft, the deferred observation, two program switches; on CPU with a random
+EAGLE-3 head, 4-10 plain iterations), so after the call's first probe a drafter found
+hopeless costs at most `probe_budget` of the plain time; `AdaptiveK.after(out)` carries
+the probe clock (and the acceptance, as the prior) into the next call, so a run of calls
+spends no more than that either (otherwise each call looks once, at its first iteration).
+A drafter whose `observe` runs a
 network (EAGLE-3, MTP, a draft model) does not observe during k = 0 iterations either: the
 last `window` committed entries are kept and observed in one forward before the next draft
 (entries older than that are never seen by it: drafts after a long plain stretch see less
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +75,16 @@ class AdaptiveK:
     costs: jax.Array  # [len(ks)] float32 seconds per loop iteration at each k
     # [] float32 alpha_1 before any verification (e.g. the previous call's; traced: no recompile)
     prior: jax.Array = 0.5
+    # [] float32 what one probe of a drafter found hopeless costs beyond the k = 0 iteration it
+    # replaces (its draft, the deferred observation, the program switches; same unit as
+    # costs; `measure_costs` measures it; 0: no budget, the intervals only grow)
+    probe_cost: jax.Array = 0.0
+    # [] float32 the share of the k = 0 time such probes may take: after a probe finds no k
+    # could pay, the next waits at least probe_cost / (probe_budget x c_0) iterations
+    probe_budget: jax.Array = 0.002
+    # [] int32 the iteration of the call's first probe (0: the first iteration; a caller that
+    # makes many calls can carry the probe clock across them)
+    first_probe: jax.Array = 0
     ks: tuple = dataclasses.field(default=(0, 1, 2, 3), metadata=dict(static=True))
     probe_every: int = dataclasses.field(default=16, metadata=dict(static=True))
     decay: float = dataclasses.field(default=0.9, metadata=dict(static=True))  # per drafted iteration
@@ -88,11 +105,22 @@ class AdaptiveK:
                 raise ValueError(f"AdaptiveK.{name} must be an int >= {low}; got {value!r}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"AdaptiveK.decay must be in (0, 1]; got {self.decay!r}")
-        if not isinstance(self.prior, jax.core.Tracer):
-            prior = np.asarray(self.prior, np.float64)
-            if prior.shape != () or not 0.0 <= float(prior) <= 1.0:
-                raise ValueError(f"AdaptiveK.prior must be a number in [0, 1]; got {self.prior!r}")
-            object.__setattr__(self, "prior", np.asarray(prior, np.float32))
+        # host scalars of fixed dtypes: a python number and an array compile the same
+        for name, dtype, valid, what in (
+                ("prior", np.float32, lambda x: 0.0 <= x <= 1.0, "a number in [0, 1]"),
+                ("probe_cost", np.float32, lambda x: 0.0 <= x < math.inf, "a finite number >= 0"),
+                ("probe_budget", np.float32, lambda x: 0.0 < x <= 1.0, "a number in (0, 1]"),
+                ("first_probe", np.int32, lambda x: 0 <= x < 2 ** 31 and x == int(x),
+                 "an int >= 0")):
+            value = getattr(self, name)
+            if isinstance(value, jax.core.Tracer) or not isinstance(
+                    value, (numbers.Number, np.ndarray, np.generic, jax.Array, str, bytes, list, tuple)):
+                continue  # traced, or a pytree transform's placeholder leaf
+            x = np.asarray(value)
+            if (x.shape != () or x.dtype == bool or not np.issubdtype(x.dtype, np.number)
+                    or not valid(float(x))):
+                raise ValueError(f"AdaptiveK.{name} must be {what}; got {value!r}")
+            object.__setattr__(self, name, np.asarray(x, dtype))
         if not self.prior_weight > 0.0:
             raise ValueError(f"AdaptiveK.prior_weight must be > 0; got {self.prior_weight!r}")
         if isinstance(self.costs, (jax.Array, np.ndarray, list, tuple)):
@@ -111,6 +139,19 @@ class AdaptiveK:
     def max_k(self) -> int:
         return self.ks[-1]
 
+    def after(self, out) -> AdaptiveK:
+        """This policy for the next call of a run of calls, from this call's `Rollouts`: the
+        depth-1 acceptance it measured as the prior (kept when it drafted nothing) and its
+        probe clock carried (the next call's first probe where this call's next one was
+        due), so a run of calls probes as one long call would, within `probe_budget` of the
+        plain time for a drafter found hopeless instead of once per call."""
+        stats = out.stats
+        prior = self.prior
+        if int(np.asarray(stats.proposed_at)[0]) > 0:
+            prior = float(stats.per_position_acceptance[0])
+        first = self.first_probe if out.next_probe is None else int(np.asarray(out.next_probe))
+        return dataclasses.replace(self, prior=prior, first_probe=first)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -124,22 +165,27 @@ class AdaptState:
 
     @classmethod
     def zeros(cls, policy: AdaptiveK) -> AdaptState:
-        """No counts; the first iteration probes."""
+        """No counts; the first probe at `policy.first_probe`."""
         zero = jnp.zeros((policy.max_k,), jnp.float32)
-        return cls(zero, zero, jnp.zeros((), jnp.int32), jnp.asarray(policy.probe_every, jnp.int32))
+        return cls(zero, zero, jnp.asarray(policy.first_probe, jnp.int32),
+                   jnp.asarray(policy.probe_every, jnp.int32))
 
     def update(self, policy: AdaptiveK, k: int, num_accepted, active, iteration) -> AdaptState:
         """After iteration `iteration` ran at static draft length k: num_accepted [B] drafts
         accepted per row (before any stop-token cut), active [B] rows that were live."""
         counted = self._count(policy, k, num_accepted, active)
         probed = iteration >= self.next_probe
-        best = _best(self, policy)
-        same = _best(counted, policy) == best
-        # a probe of a drafter no k could make pay (`_probe_index`): back off faster, and further
-        hopeless = _probe_index(self, policy, best) < len(policy.ks) - 1
-        grown = jnp.where(hopeless, jnp.minimum(4 * self.interval, 64 * policy.probe_every),
+        best = _best(counted, policy)
+        same = best == _best(self, policy)
+        # a probe that left a drafter no k could make pay (`_probe_index`, on the counts with
+        # this probe's): back off faster, and further, and at least as far as the budget says
+        hopeless = _probe_index(counted, policy, best) < len(policy.ks) - 1
+        grown = jnp.where(hopeless,
+                          jnp.maximum(jnp.minimum(4 * self.interval, 64 * policy.probe_every),
+                                      budget_interval(policy)),
                           jnp.minimum(2 * self.interval, 16 * policy.probe_every))
-        interval = jnp.where(probed, jnp.where(same, grown, policy.probe_every),
+        # a probe that changed the best k probes again soon, unless nothing could pay now
+        interval = jnp.where(probed, jnp.where(same | hopeless, grown, policy.probe_every),
                              self.interval).astype(jnp.int32)
         return dataclasses.replace(counted, interval=interval,
                                    next_probe=jnp.where(probed, iteration + interval, self.next_probe))
@@ -158,6 +204,15 @@ class AdaptState:
             reached=self.reached * decay + jnp.where(tried, reached, 0.0),
             accepted=self.accepted * decay + jnp.where(tried, accepted, 0.0),
         )
+
+
+def budget_interval(policy: AdaptiveK) -> jax.Array:
+    """[] int32 iterations that pay for one probe within the budget: probe_cost /
+    (probe_budget x c_0), c_0 the cost of the cheapest k (plain decoding when 0 is in ks)."""
+    base = policy.costs[0]
+    iterations = jnp.ceil(jnp.asarray(policy.probe_cost, jnp.float32)
+                          / (jnp.asarray(policy.probe_budget, jnp.float32) * base))
+    return jnp.clip(iterations, 0, 2 ** 30).astype(jnp.int32)
 
 
 def conditional_acceptance(state: AdaptState, policy: AdaptiveK) -> jax.Array:
@@ -227,8 +282,10 @@ def measure_costs(
     runs). Per round and k: the first `iterations` iterations at k are timed and the
     prefill-only call (0 iterations) is subtracted; c_k = median over rounds of that over
     the iterations run (floored at a tenth of the whole call's time per iteration, so noise
-    cannot make a cost vanish). ks: default 0..drafter.k. Other AdaptiveK fields:
-    `dataclasses.replace` the result.
+    cannot make a cost vanish). With k = 0 in ks, also `probe_cost`: a call with one probe
+    (after `iterations` plain iterations) minus k = 0 for as many iterations, median over
+    rounds, at least c_1 - c_0 for the shallowest drafted k. ks: default 0..drafter.k.
+    Other AdaptiveK fields: `dataclasses.replace` the result.
     """
     from jaxspec.decoding import engine  # the engine imports this module
     from jaxspec.timing import interleaved
@@ -254,6 +311,20 @@ def measure_costs(
 
     fns = {"prefill": call(-1, 0)}
     fns.update({f"k{k}": call(i, iterations) for i, k in enumerate(probe.ks)})
+    measure_probe = 0 in probe.ks
+    if measure_probe:
+        # one probe after `iterations` plain ones, of a drafter no k can make pay (alpha 0 and
+        # drafts that cost 1e6 plain iterations: the probe drafts the shallowest k, then k = 0
+        # again), against k = 0 for as many iterations: what a probe costs in the real call
+        # (its deferred observation, its draft, the switches to its program and back)
+        after = iterations + 4
+        hopeless = dataclasses.replace(
+            probe, prior=0.0, first_probe=iterations,
+            costs=jnp.asarray([1.0 if k == 0 else 1e6 for k in probe.ks], jnp.float32))
+        fns["probe"] = lambda: engine._generate(policy, prompts, drafter=drafter, adaptive=hopeless,
+                                                force_k=-1, max_iterations=after, grow_cache=False,
+                                                **generate_kwargs)
+        fns["k0_probe"] = call(probe.ks.index(0), after)
     runs = {name: fn() for name, fn in fns.items()}  # compiles (once: force and n are traced)
     iters = {name: int(out.stats.target_forwards) for name, out in runs.items()}
     times = interleaved(fns, rounds)
@@ -265,10 +336,28 @@ def measure_costs(
                              f"the prefill?)")
         loop = float(np.median([t - t0 for t, t0 in zip(times[name], times["prefill"])]))
         costs.append(max(loop, 0.1 * float(np.median(times[name]))) / iters[name])
-    if verbose:
-        base = costs[probe.ks.index(0)] if 0 in probe.ks else costs[0]
-        print("adaptive k costs per iteration: " + ", ".join(
-            f"k={k} {c * 1e3:.2f} ms ({c / base:.2f}x)" for k, c in zip(probe.ks, costs)), flush=True)
     if not all(math.isfinite(c) and c > 0 for c in costs):
         raise RuntimeError(f"measure_costs: invalid costs {costs}")
-    return dataclasses.replace(probe, costs=jnp.asarray(costs, jnp.float32))
+    probe_cost, probed = 0.0, False
+    if measure_probe:
+        # at least the draft iteration's own extra cost (noise cannot make a probe free)
+        floor = max(costs[1] - costs[0], 0.0)
+        k_iters = np.asarray(runs["probe"].stats.k_iterations)
+        probed = (iters["probe"] == iters["k0_probe"] == after and int(k_iters[1:].sum()) == 1)
+        if probed:
+            extra = float(np.median([t - t0 for t, t0 in zip(times["probe"], times["k0_probe"])]))
+            probe_cost = max(extra, floor)
+        else:  # every row finished before the probe: its deferred work is not measurable here
+            probe_cost = floor
+    adaptive = dataclasses.replace(probe, costs=jnp.asarray(costs, jnp.float32), probe_cost=probe_cost)
+    if verbose:
+        base = costs[0]
+        print("adaptive k costs per iteration: " + ", ".join(
+            f"k={k} {c * 1e3:.2f} ms ({c / base:.2f}x)" for k, c in zip(probe.ks, costs)), flush=True)
+        if measure_probe:
+            print(f"adaptive k probe: {probe_cost * 1e3:.2f} ms beyond a k = 0 iteration"
+                  f"{'' if probed else ' (the draft iteration only: no row lived to the probe)'}; "
+                  f"a drafter no k can make pay is probed every >= "
+                  f"{int(budget_interval(adaptive))} iterations "
+                  f"({float(adaptive.probe_budget):.1%} of the time)", flush=True)
+    return adaptive

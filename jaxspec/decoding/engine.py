@@ -143,6 +143,9 @@ class Rollouts:
     # the drafter's own counters, from its optional `draft_stats(state)` ({} without one),
     # e.g. HybridDrafter's accepted drafts by source
     draft_stats: dict = dataclasses.field(default_factory=dict)
+    # [] int32 adaptive k: loop iterations from the call's end to the probe it would have
+    # run next (`AdaptiveK.after` carries it into the next call); None without adaptive k
+    next_probe: jax.Array | None = None
 
 
 def generate(
@@ -263,8 +266,9 @@ def _generate(
             state, out, now = _generate_jit(*inputs, state, **static)
             ended = bool(np.asarray(now)[0]) if i + 1 < len(tiers) else True
         else:
-            if state is None:
+            if state is None:  # a call that starts at k = 0 starts in the plain phase
                 state, _, now = _generate_jit(*inputs, None, phase="init", **static)
+                in_plain = bool(np.asarray(now)[2])
             while True:
                 if not in_plain:
                     state, out, now = _generate_jit(*inputs, state, phase="draft", **static)
@@ -897,8 +901,11 @@ def _generate_jit(
                          if plain_index is not None else jnp.asarray(False))
         return jnp.stack([ended, ~ended & ~cond(s), plain_goes_on])
 
-    if phase == "init":
-        return state, None, where_now(state)
+    if phase == "init":  # k = 0 goes on only where it is also the choice (a carried clock
+        now = where_now(state)  # can put the first probe later while a drafted k is best)
+        if plain_index is not None:
+            now = now.at[2].set(now[2] & (pick(state) == plain_index))
+        return state, None, now
     if phase == "plain":
         final = plain_phase(state)
     elif plain_index is None:
@@ -915,4 +922,6 @@ def _generate_jit(
         parallel.constrain(final.out_lengths, ("batch",)),
         parallel.constrain(final.out_logprobs, ("batch", "length")),
         final.stats, draft_stats,
+        None if final.adapt is None
+        else jnp.maximum(final.adapt.next_probe - final.stats.target_forwards, 0),
     ), where_now(final)

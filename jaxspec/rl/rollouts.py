@@ -175,8 +175,9 @@ class RolloutWorker:
         r = cfg.rollout
         self.batch_size = r.prompts_per_step * r.group_size
         self._compiled = False
-        # draft.adaptive_k: the per-k iteration costs, measured once (compile()), and the
-        # previous step's first-depth acceptance as the next call's prior
+        # draft.adaptive_k: the per-k iteration costs, measured once (compile()); the
+        # previous step's first-depth acceptance as the next call's prior and its probe
+        # clock carried on (`AdaptiveK.after`)
         self.adaptive = None
         # {step: the drafter's Rollouts.draft_stats} until the trainer logs them (hybrid:
         # accepted drafts by source); host ints, not checkpointed
@@ -236,9 +237,8 @@ class RolloutWorker:
                     policy, drafter, (prompts, lengths), verbose=True, **kwargs)
             kwargs["adaptive"] = self.adaptive
         out = self.cluster.generate(policy, (prompts, lengths), drafter=drafter, **kwargs)
-        if "adaptive" in kwargs and int(np.asarray(out.stats.proposed_at)[0]) > 0:
-            prior = float(out.stats.per_position_acceptance[0])
-            self.adaptive = dataclasses.replace(self.adaptive, prior=prior)
+        if "adaptive" in kwargs:  # the acceptance as the next call's prior, the probe clock
+            self.adaptive = self.adaptive.after(out)
         return out
 
     def ended(self, tokens, lengths) -> np.ndarray:  # [B] bool

@@ -89,9 +89,9 @@ def test_schedule_follows_acceptance(setup):
     """Perfect drafts at near-equal costs: the deepest k from the first verification on.
     Wrong drafts: plain decoding, drafting only at the probes, the first at iteration 0,
     then at intervals growing from probe_every (no probe changes the best k). The first probe
-    (alpha_1 = the prior 0.5) drafts the deepest k and doubles the interval; once alpha_1 is
-    measured near 0 no k could win: the probes draft k = 1 and quadruple it (up to 64 x
-    probe_every)."""
+    (alpha_1 = the prior 0.5) drafts the deepest k; it measures alpha_1 near 0, after which
+    no k could win: every interval from then on quadruples (up to 64 x probe_every; no probe
+    cost, so no budget), and the later probes draft k = 1."""
     policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
     cheap = AdaptiveK(jnp.array([1.0, 1.05, 1.1, 1.15]), probe_every=4)
     out = generate(policy, prompts, drafter=setup["drafters"]["oracle_perfect"], adaptive=cheap, **common)
@@ -104,11 +104,102 @@ def test_schedule_follows_acceptance(setup):
     n = k_iters.sum()
     assert k_iters[2] == 0
     probes, t, interval = 0, 0, 4
-    while t < n:  # iterations 0, 8, 40, 168, ...: x 2 after the first probe, then x 4
+    while t < n:  # iterations 0, 16, 80, 336, ...
         probes += 1
-        interval = min(2 * interval, 64) if probes == 1 else min(4 * interval, 256)
+        interval = min(4 * interval, 256)
         t += interval
     assert k_iters[3] == 1 and k_iters[1] == probes - 1, (k_iters, probes)
+
+
+def _probe_schedule(policy, iterations):
+    """[iterations] the index into ks chosen at each iteration for a drafter whose every draft
+    is rejected (all rows live), the engine's choose/update sequence run by a scan."""
+    rows = 8
+
+    def step(state, it):
+        index = choose_k(state, policy, it)
+        branches = [lambda st, k=k: st if k == 0 else st.update(
+            policy, k, jnp.zeros((rows,), jnp.int32), jnp.ones((rows,), bool), it) for k in policy.ks]
+        return jax.lax.switch(index, branches, state), index
+
+    _, chosen = jax.jit(lambda: jax.lax.scan(step, AdaptState.zeros(policy),
+                                             jnp.arange(iterations, dtype=jnp.int32)))()
+    return np.asarray(chosen)
+
+
+@pytest.mark.parametrize("costs", [[1.0, 1.9, 2.7, 3.4], [1.0, 1.4, 2.0, 2.6]])
+def test_hopeless_probes_stay_within_the_budget(costs):
+    """A drafter whose drafts are all rejected, at costs like those measured for the random
+    EAGLE-3 head on CPU (a draft costs 0.4-2.4 plain iterations, a probe ~7 more; with the
+    second costs the prior alpha_1 = 0.5 makes k = 1 pay, so the first probe changes the
+    best k): over 20000 iterations the probes after the first take at most probe_budget of
+    the k = 0 time
+    (probe_cost is what a probe adds to the k = 0 iteration it replaces, its draft included,
+    as `measure_costs` measures it). Control:
+    without a probe cost the intervals stop growing at 64 x probe_every and the probes take
+    more than the budget."""
+    costs = jnp.array(costs)
+    n = 20000
+    for budget in (0.005, 0.02):
+        policy = AdaptiveK(costs, probe_cost=7.0, probe_budget=budget)
+        chosen = _probe_schedule(policy, n)
+        probes = np.flatnonzero(chosen > 0)
+        assert probes[0] == 0 and len(probes) >= 2, probes  # it still looks, now and then
+        spent = 7.0 * (len(probes) - 1)
+        assert spent <= budget * n * 1.0, (budget, probes, spent)
+        # the next probe waits no longer than the budget (or the growth rule) asks
+        assert np.max(np.diff(probes)) <= max(64 * 16, np.ceil(7.0 / budget)), probes
+    control = _probe_schedule(AdaptiveK(costs, probe_budget=0.005), n)
+    probes = np.flatnonzero(control > 0)
+    assert 7.0 * (len(probes) - 1) > 0.005 * n, probes
+
+
+def test_first_probe_waits(setup):
+    """Perfect drafts at costs where the prior alone does not make drafting pay (alpha 0.5:
+    k = 0 is best, though k = 3 could win if deeper drafts were always accepted): with the
+    first probe past the end of the call nothing is drafted; with it at iteration 3 the
+    probe drafts k = 3, finds them perfect and drafting follows. Tokens equal plain."""
+    policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
+    drafter = setup["drafters"]["oracle_perfect"]
+    costly = AdaptiveK(jnp.array([1.0, 1.6, 2.0, 2.4]), probe_every=4)
+    never = dataclasses.replace(costly, first_probe=10_000)
+    out = generate(policy, prompts, drafter=drafter, adaptive=never, **common)
+    _assert_plain(out, setup["plain"])
+    k_iters = np.asarray(out.stats.k_iterations)
+    assert k_iters[1:].sum() == 0 and k_iters[0] == int(out.stats.target_forwards), k_iters
+    later = dataclasses.replace(costly, first_probe=3)
+    out = generate(policy, prompts, drafter=drafter, adaptive=later, **common)
+    _assert_plain(out, setup["plain"])
+    k_iters = np.asarray(out.stats.k_iterations)
+    assert k_iters[0] == 3 and k_iters[3] >= 1, k_iters
+
+
+def test_after_carries_the_probe_clock(setup):
+    """Two calls with a drafter whose drafts are all rejected, the probe budget set so a probe
+    pays for itself in 40 iterations (probe_cost 0.08 = 40 x budget 0.002 x c_0 1.0). The
+    first call probes at iteration 0 (the deepest k: the prior 0.5 could pay) and would next
+    at 40, past its end; `after` carries the 40 - n still due and the measured acceptance
+    (0) into the second call, which probes once, at 40 - n (k = 1: nothing could pay), and
+    would next 40 later. Tokens equal plain in both."""
+    policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
+    drafter = setup["drafters"]["oracle_wrong"]
+    first = dataclasses.replace(SWITCHING, probe_cost=0.08, probe_budget=0.002)
+    out = generate(policy, prompts, drafter=drafter, adaptive=first, **common)
+    _assert_plain(out, setup["plain"])
+    n = int(out.stats.target_forwards)
+    assert 40 - n > 0 and np.asarray(out.stats.k_iterations).tolist() == [n - 1, 0, 0, 1]
+    assert int(out.next_probe) == 40 - n
+    second = first.after(out)
+    assert float(second.prior) == 0.0 and int(second.first_probe) == 40 - n
+    again = generate(policy, prompts, drafter=drafter, adaptive=second, **common)
+    _assert_plain(again, setup["plain"])
+    assert np.asarray(again.stats.k_iterations).tolist() == [n - 1, 1, 0, 0]
+    assert int(again.next_probe) == (40 - n) + 40 - n
+    # without a probe in the call the clock runs on and the prior stays
+    quiet = generate(policy, prompts, drafter=drafter, adaptive=dataclasses.replace(first, first_probe=1000),
+                     **common)
+    assert int(quiet.next_probe) == 1000 - n
+    assert float(dataclasses.replace(first, first_probe=1000).after(quiet).prior) == 0.5
 
 
 def _expected_tokens_brute_force(alpha, k):
@@ -351,6 +442,9 @@ def test_measure_costs_returns_positive_costs(setup):
     assert adaptive.ks == (0, 1, 2, 3)
     costs = np.asarray(adaptive.costs)
     assert costs.shape == (4,) and np.all(np.isfinite(costs) & (costs > 0))
+    # a probe costs at least its draft iteration's extra over k = 0
+    assert np.isfinite(adaptive.probe_cost) and adaptive.probe_cost >= costs[1] - costs[0] - 1e-9
+    assert int(adaptive.first_probe) == 0
 
 
 def test_bad_adaptive_fails_before_compiling(setup):
@@ -368,6 +462,12 @@ def test_bad_adaptive_fails_before_compiling(setup):
         AdaptiveK(jnp.ones(4), prior=1.5)
     with pytest.raises(ValueError, match="probe_every must be an int"):
         AdaptiveK(jnp.ones(4), probe_every=0)
+    with pytest.raises(ValueError, match=r"probe_budget must be a number in \(0, 1\]; got 0"):
+        AdaptiveK(jnp.ones(4), probe_budget=0)
+    with pytest.raises(ValueError, match="probe_cost must be a finite number >= 0; got -1"):
+        AdaptiveK(jnp.ones(4), probe_cost=-1.0)
+    with pytest.raises(ValueError, match="first_probe must be an int >= 0; got 2.5"):
+        AdaptiveK(jnp.ones(4), first_probe=2.5)
     with pytest.raises(TypeError, match="adaptive must be a jaxspec.decoding.AdaptiveK"):
         generate(policy, prompts, drafter=eagle, adaptive=[0, 1], **common)
     with pytest.raises(ValueError, match="needs a chain drafter"):
