@@ -22,14 +22,15 @@ always accepted (E_k <= 1 + k alpha_1) does a probe draft the shallowest k: it s
 measures alpha_1, at the cost of one draft. A probe that leaves the best k unchanged
 doubles the interval to the next one (up to 16 x probe_every), one that changes it resets
 the interval. A probe after which no k could make the drafter pay (whatever it changed)
-quadruples it (up to 64 x probe_every) and waits at least probe_cost / (probe_budget x
-c_0) iterations: `measure_costs` measures what a probe adds to the k = 0 iteration it
-replaces (its draft, the deferred observation, two program switches; on CPU with a random
-EAGLE-3 head, 4-10 plain iterations), so after the call's first probe a drafter found
-hopeless costs at most `probe_budget` of the plain time; `AdaptiveK.after(out)` carries
-the probe clock (and the acceptance, as the prior) into the next call, so a run of calls
-spends no more than that either (otherwise each call looks once, at its first iteration).
-A drafter whose `observe` runs a
+quadruples it (up to 64 x probe_every) and, once the depth-1 counts outweigh the prior 2
+to 1, waits at least probe_cost / (probe_budget x c_0) iterations: `measure_costs`
+measures what a probe adds to the k = 0 iteration it replaces (its draft, the deferred
+observation, two program switches; on CPU with a random EAGLE-3 head, 10-16 plain
+iterations), so after the call's first probe a drafter found hopeless costs at most
+`probe_budget` of the plain time. `AdaptiveK.after(out)` carries the probe clock (and the
+acceptance, as the prior) into the next call, so a run of calls spends no more than that
+either; otherwise each call starts probing at its first iteration. A drafter whose
+`observe` runs a
 network (EAGLE-3, MTP, a draft model) does not observe during k = 0 iterations either: the
 last `window` committed entries are kept and observed in one forward before the next draft
 (entries older than that are never seen by it: drafts after a long plain stretch see less
@@ -69,7 +70,8 @@ class AdaptiveK:
     """The per-iteration draft-length policy `generate(adaptive=...)` follows.
 
     `costs[i]` is the time of one loop iteration at draft length `ks[i]` (any unit; only
-    ratios matter), from `measure_costs` on the call's shapes.
+    ratios matter, but `probe_cost` is in the same unit), from `measure_costs` on the
+    call's shapes.
     """
 
     costs: jax.Array  # [len(ks)] float32 seconds per loop iteration at each k
@@ -143,8 +145,8 @@ class AdaptiveK:
         """This policy for the next call of a run of calls, from this call's `Rollouts`: the
         depth-1 acceptance it measured as the prior (kept when it drafted nothing) and its
         probe clock carried (the next call's first probe where this call's next one was
-        due), so a run of calls probes as one long call would, within `probe_budget` of the
-        plain time for a drafter found hopeless instead of once per call."""
+        due), so a run of calls spends on a drafter found hopeless what the budget allows,
+        not a probe per call. The counts and the interval start afresh in each call."""
         stats = out.stats
         prior = self.prior
         if int(np.asarray(stats.proposed_at)[0]) > 0:
@@ -178,17 +180,22 @@ class AdaptState:
         best = _best(counted, policy)
         same = best == _best(self, policy)
         # a probe that left a drafter no k could make pay (`_probe_index`, on the counts with
-        # this probe's): back off faster, and further, and at least as far as the budget says
+        # this probe's): back off faster, and further; and, once the depth-1 counts outweigh
+        # the prior 2 to 1 (not a verdict on one or two tail rows), at least as far as the
+        # budget says
         hopeless = _probe_index(counted, policy, best) < len(policy.ks) - 1
+        sure = counted.reached[0] >= 2.0 * policy.prior_weight
+        pe = policy.probe_every  # saturating before multiplying: no int32 wrap-around
         grown = jnp.where(hopeless,
-                          jnp.maximum(jnp.minimum(4 * self.interval, 64 * policy.probe_every),
-                                      budget_interval(policy)),
-                          jnp.minimum(2 * self.interval, 16 * policy.probe_every))
+                          jnp.maximum(4 * jnp.minimum(self.interval, 16 * pe),
+                                      jnp.where(sure, budget_interval(policy), 0)),
+                          2 * jnp.minimum(self.interval, 8 * pe))
         # a probe that changed the best k probes again soon, unless nothing could pay now
-        interval = jnp.where(probed, jnp.where(same | hopeless, grown, policy.probe_every),
+        interval = jnp.where(probed, jnp.where(same | hopeless, grown, pe),
                              self.interval).astype(jnp.int32)
+        due = jnp.minimum(iteration, jnp.iinfo(jnp.int32).max - interval) + interval
         return dataclasses.replace(counted, interval=interval,
-                                   next_probe=jnp.where(probed, iteration + interval, self.next_probe))
+                                   next_probe=jnp.where(probed, due, self.next_probe))
 
     def _count(self, policy: AdaptiveK, k: int, num_accepted, active) -> AdaptState:
         if k == 0:
@@ -212,7 +219,7 @@ def budget_interval(policy: AdaptiveK) -> jax.Array:
     base = policy.costs[0]
     iterations = jnp.ceil(jnp.asarray(policy.probe_cost, jnp.float32)
                           / (jnp.asarray(policy.probe_budget, jnp.float32) * base))
-    return jnp.clip(iterations, 0, 2 ** 30).astype(jnp.int32)
+    return jnp.clip(iterations, 0, 2 ** 28).astype(jnp.int32)
 
 
 def conditional_acceptance(state: AdaptState, policy: AdaptiveK) -> jax.Array:

@@ -32,7 +32,7 @@ def test_adaptive_k_run_equals_plain_and_logs_the_schedule(tmp_path):
         assert m["spec/plain_fraction"] == pytest.approx(k_iters[0] / k_iters.sum())
         adaptive = trainer.rollouts.adaptive
         if step == 0 or k_iters[1:].sum() > 0:
-            assert k_iters[1:].sum() > 0  # the first call probes at its first iteration
+            assert k_iters[1:].sum() > 0  # the first call (no compile() before) probes first
             # the next call starts from this call's first-depth acceptance
             assert float(adaptive.prior) == pytest.approx(stats.per_position_acceptance[0], abs=1e-6)
         else:  # the carried clock was not due in this call: it ran on, the prior stayed
