@@ -287,7 +287,7 @@ def measure_costs(
     The programs of the real call serve every k: k is forced through a traced argument (on
     one full-length cache, `generate(grow_cache=False)`; k = 0 times the plain phase, as it
     runs). Per round and k: the first `iterations` iterations at k are timed and the
-    prefill-only call (0 iterations) is subtracted; c_k = median over rounds of that over
+    prefill-only call (0 iterations, through the same phase program) is subtracted; c_k = median over rounds of that over
     the iterations run (floored at a tenth of the whole call's time per iteration, so noise
     cannot make a cost vanish). With k = 0 in ks, also `probe_cost`: a call with one probe
     (after `iterations` plain iterations) minus k = 0 for as many iterations, median over
@@ -316,7 +316,11 @@ def measure_costs(
                                         force_k=force, max_iterations=n, grow_cache=False,
                                         **generate_kwargs)
 
+    # the prefill-only baseline, per program path: a call at k = 0 goes from the prefill to
+    # the plain phase's program, one drafting to the draft phase's (each dispatched once)
     fns = {"prefill": call(-1, 0)}
+    if 0 in probe.ks:
+        fns["prefill_plain"] = call(probe.ks.index(0), 0)
     fns.update({f"k{k}": call(i, iterations) for i, k in enumerate(probe.ks)})
     measure_probe = 0 in probe.ks
     if measure_probe:
@@ -341,7 +345,8 @@ def measure_costs(
         if iters[name] < 1:
             raise ValueError(f"measure_costs: no iteration ran at k={k} (every row finished in "
                              f"the prefill?)")
-        loop = float(np.median([t - t0 for t, t0 in zip(times[name], times["prefill"])]))
+        prefill = times["prefill_plain" if k == 0 else "prefill"]
+        loop = float(np.median([t - t0 for t, t0 in zip(times[name], prefill)]))
         costs.append(max(loop, 0.1 * float(np.median(times[name]))) / iters[name])
     if not all(math.isfinite(c) and c > 0 for c in costs):
         raise RuntimeError(f"measure_costs: invalid costs {costs}")
