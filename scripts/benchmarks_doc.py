@@ -215,7 +215,7 @@ def _from_longtail(res: dict) -> tuple[list, list]:
         columns = ["run", "iterations", "tau", "mean k", "wall (median)", "x plain",
                    "p10-p90", "iterations at k = 0/1/.."]
         rows = [[name, st["iterations"], _fmt(st["acceptance_length"]), _fmt(st["mean_k"]),
-                 f"{st['wall_s_median']:.2f} s", _fmt(st["speedup_vs_plain"], 3, "x"),
+                 f"{st['wall_s_median']:.3g} s", _fmt(st["speedup_vs_plain"], 3, "x"),
                  "-".join(f"{x:.2f}" for x in st["speedup_p10_p90"]),
                  str(st["k_iterations"] or "")] for name, st in res["results"].items()]
         return columns, rows
@@ -223,7 +223,7 @@ def _from_longtail(res: dict) -> tuple[list, list]:
                "wall (median)", "speedup vs static_S plain (same mode)"]
     rows = [[name, st["iterations"], st["prefill_forwards"], f"{st['wasted_row_steps']:.1%}",
              _fmt(st["acceptance_length"]), _fmt(st["tokens_per_slot_step"]),
-             f"{st['wall_s_median']:.1f} s",
+             f"{st['wall_s_median']:.3g} s",
              f"{st['speedup_vs_static_S_plain']:.2f}x ({st['speedup_vs_static_S']:.2f}x)"]
             for name, st in res["results"].items()]
     return columns, rows
@@ -231,7 +231,7 @@ def _from_longtail(res: dict) -> tuple[list, list]:
 
 def _from_decode(res: dict) -> tuple[list, list]:
     return (["batch", "variant", "step", "of the read bound"],
-            [[r["batch"], r["variant"], f"{r['step_ms']:.1f} ms", f"{r['of_bound']:.0%}"]
+            [[r["batch"], r["variant"], f"{r['step_ms']:.3g} ms", f"{r['of_bound']:.0%}"]
              for r in res["rows"]])
 
 
@@ -244,8 +244,8 @@ def _from_history(res: dict) -> tuple[list, list]:
     names = [n for n in next(iter(epochs.values())) if n != "accepted_by_source"]
     rows = []
     for epoch, per in epochs.items():
-        rows.append([int(epoch) + 1] + [f"{per[n]['acceptance_length']:.2f} / {per[n]['speedup']:.2f}x"
-                                        for n in names])
+        rows.append([int(epoch) + 1] + [
+            f"{per[n]['acceptance_length']:.2f} / {per[n]['speedup']:.2f}x" for n in names])
     return ["epoch"] + [f"{n} tau / speedup" for n in names], rows
 
 
@@ -283,12 +283,12 @@ def import_bench(bench: str, result: dict, into: dict, caption: str, commit: str
     try:
         columns, rows = CONVERTERS[bench](result)
     except (KeyError, TypeError, AttributeError, StopIteration) as e:
-        raise ResultsError(f"this is not scripts/bench_{bench}.py's JSON ({type(e).__name__}: {e}); "
-                           f"--bench is one of {', '.join(sorted(CONVERTERS))}") from None
+        raise ResultsError(f"this is not scripts/bench_{bench}.py's JSON ({type(e).__name__}: "
+                           f"{e}); --bench is one of {', '.join(sorted(CONVERTERS))}") from None
     argv = result.get("argv", [])
     if not argv and isinstance(result.get("args"), dict):  # bench_history / bench_longtail
-        argv = [f"--{k.replace('_', '-')}={v}" for k, v in result["args"].items()
-                if v not in (None, False)]
+        argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+                for k, v in result["args"].items() if v not in (None, False) and k != "json"]
     script = {"rollout": "bench_rollout", "longtail": "bench_longtail", "decode": "bench_decode",
               "history": "bench_history", "kernels": "bench_kernels"}[bench]
     machine = result.get("machine") or result.get("device") or "not recorded"
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         into_path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        print(f"wrote {into_path} (table {args.caption!r}); now run python scripts/benchmarks_doc.py")
+        print(f"wrote {into_path} (table {args.caption!r}); "
+              "now run python scripts/benchmarks_doc.py")
         return 0
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -113,10 +113,32 @@ def test_import_replaces_a_table_from_a_bench_json(tmp_path, capsys):
     # a new caption appends a table; the wrong --bench is one error line, the file untouched
     assert main(["import", str(bench), "--bench", "rollout", "--into", str(target),
                  "--caption", "Another", "--commit", "def5678"]) == 0
-    assert [t["caption"] for t in json.loads(target.read_text())["tables"]] == ["First table", "Another"]
+    captions = [t["caption"] for t in json.loads(target.read_text())["tables"]]
+    assert captions == ["First table", "Another"]
     before = target.read_text()
     capsys.readouterr()
     assert main(["import", str(bench), "--bench", "longtail", "--into", str(target),
                  "--caption", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: this is not scripts/bench_longtail.py's JSON") and target.read_text() == before
+    assert err.startswith("error: this is not scripts/bench_longtail.py's JSON")
+    assert target.read_text() == before
+
+
+def test_import_of_an_adaptive_longtail_run():
+    """scripts/bench_longtail.py --adaptive writes `args` (no argv) and per-run `results`."""
+    args = {"adaptive": True, "rollouts": 256, "skip_static_all": False, "json": "x.json"}
+    result = {"machine": "x86_64 cpus=2", "costs_ms": [0.67, 1.26], "args": args,
+              "results": {"plain": dict(iterations=769, acceptance_length=1.0, mean_k=0.0,
+                                        wall_s_median=0.6512, speedup_vs_plain=1.0,
+                                        speedup_p10_p90=[0.97, 1.04], k_iterations=None),
+                          "adaptive": dict(iterations=769, acceptance_length=1.0, mean_k=0.0123,
+                                           wall_s_median=0.6541, speedup_vs_plain=0.9951,
+                                           speedup_p10_p90=[0.96, 1.03],
+                                           k_iterations=[766, 3, 0, 0])}}
+    into = _section("First", 10, [("f", "v")])
+    doc = DOC["import_bench"]("longtail", result, into, "new", "c0ffee1")
+    table = doc["tables"][-1]
+    assert table["command"] == "python scripts/bench_longtail.py --adaptive --rollouts=256"
+    assert table["rows"] == [["plain", 769, "1.00", "0.00", "0.651 s", "1.000x", "0.97-1.04", ""],
+                             ["adaptive", 769, "1.00", "0.01", "0.654 s", "0.995x", "0.96-1.03",
+                              "[766, 3, 0, 0]"]]
