@@ -44,7 +44,7 @@ from jaxspec.decoding.drafters import NGramDrafter, TreeSpec
 from jaxspec.decoding.history import HistoryDrafter, HybridDrafter
 from jaxspec.decoding.sampling import SamplingConfig, check_settings
 from jaxspec.errors import ConfigError, FieldError
-from jaxspec.models.config import Llama3RopeScaling, ModelConfig
+from jaxspec.models.config import ModelConfig
 from jaxspec.rl import kinds
 from jaxspec.rl.grpo import GRPOConfig
 
@@ -127,11 +127,6 @@ def _unit(default: float, lo_open: bool, hi_open: bool):
     """A field holding a number in [0, 1] with the given ends open."""
     return Field(default, **({"gt": 0} if lo_open else {"ge": 0}),
                  **({"lt": 1} if hi_open else {"le": 1}))
-
-
-def _under(prefix: str, e: FieldError) -> ConfigError:
-    """A library class's FieldError as a ConfigError on `prefix.<its field>`."""
-    return ConfigError(f"{prefix}.{e.field}", e.value, e.problem, e.valid)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -254,7 +249,7 @@ def _config_error(error: pydantic.ValidationError, root) -> ConfigError:
     err = error.errors()[0]
     parts, hint, owner, name = _locate(root, err["loc"])
     key = ".".join(parts)
-    value, kind = err["input"], err["type"]
+    value, etype = err["input"], err["type"]
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, ConfigError):
         return cause.under(key)
@@ -264,20 +259,20 @@ def _config_error(error: pydantic.ValidationError, root) -> ConfigError:
                            cause.valid)
     if cause is not None:
         return ConfigError(key, value, str(cause))
-    if kind == "unexpected_keyword_argument":
+    if etype == "unexpected_keyword_argument":
         section, bad = _dataclass_in(hint), str(err["loc"][-1])
         prefix = key + "." if key else ""
         hint_text = _suggest(section, bad, prefix)
         return ConfigError(prefix + bad, value, "unknown key" + (f" ({hint_text})" if hint_text
                                                                   else ""),
                            ", ".join(_keys_of(section)))
-    if kind in _RANGE:
+    if etype in _RANGE:
         return ConfigError(key, value, "out of range", _bounds(owner, name))
     problem = "wrong type"
-    if kind == "finite_number" or (isinstance(value, str) and
+    if etype == "finite_number" or (isinstance(value, str) and
                                    value.strip().lstrip("+-.").lower() in ("inf", "nan")):
         problem = "not a finite number"
-    if kind == "literal_error":
+    if etype == "literal_error":
         choices = [str(a) for a in typing.get_args(hint)]
         close = difflib.get_close_matches(str(value), choices, n=1)
         problem = "not a valid choice" + (f" (did you mean '{close[0]}'?)" if close else "")

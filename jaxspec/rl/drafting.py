@@ -16,7 +16,8 @@ from jaxspec.rl import faults
 from jaxspec.rl.draft import DraftLossConfig
 from jaxspec.rl.rollouts import encode_prompts
 from jaxspec.models.mtp import MTPHead, load_mtp
-from jaxspec.rl.steps import draft_update, make_optimizer, mtp_update
+from jaxspec.rl.kinds import KINDS
+from jaxspec.rl.steps import make_optimizer
 from jaxspec.rl.warmup import draft_corpus, init_eagle3_head
 
 __all__ = ["DraftLearner"]
@@ -42,13 +43,11 @@ class DraftLearner:
         return self.optimizer.init(head.params)
 
     def update(self, head, opt_state, policy, scored: dict):
-        """One online update from score_rollouts' output (capture on); run it inside
-        `cluster.training()`. Returns (head, opt_state, metrics)."""
-        if isinstance(head, MTPHead):
-            return mtp_update(head, opt_state, policy, scored, optimizer=self.optimizer,
-                              loss_cfg=self.loss_cfg)
-        return draft_update(head, opt_state, policy, scored, optimizer=self.optimizer,
-                            loss_cfg=self.loss_cfg)
+        """One update of the draft kind's head (`HeadKind.update`) from score_rollouts'
+        output (capture on); run it inside `cluster.training()`. Returns (head, opt_state,
+        metrics)."""
+        return KINDS[self.cfg.draft.kind].head.update(
+            head, opt_state, policy, scored, optimizer=self.optimizer, loss_cfg=self.loss_cfg)
 
     def build_mtp_head(self, policy, *, resuming: bool):
         """The MTP head of draft.kind mtp: loaded from draft.hf_path (any of the layouts

@@ -38,6 +38,9 @@ class HeadKind:
         build: `(learner, policy, *, resuming, ref_params, history) -> (head, opt_state or
             None)`: the run's head (loaded, fresh, or abstract when resuming) through the
             `rl.drafting.DraftLearner`.
+        update: `(head, opt_state, policy, scored, *, optimizer, loss_cfg) -> (head,
+            opt_state, metrics)`: one training update from `rl.steps.score_rollouts`'
+            output (online in each RL step, and offline).
         init_offline: `(learner, policy, seed) -> (head, opt_state)`: a new head trained
             offline on the policy's rollouts (scripts/train_draft.py), or None when the
             script does not train this head.
@@ -49,6 +52,7 @@ class HeadKind:
     draft_vocab: bool
     inspect: Callable[..., Optional[int]]
     build: Callable[..., tuple[Any, Any]]
+    update: Callable[..., tuple[Any, Any, dict]]
     init_offline: Optional[Callable[..., tuple[Any, Any]]]
     save: Callable[..., None]
 
@@ -173,6 +177,12 @@ def _build_eagle3(learner, policy, *, resuming, ref_params, history):
     return learner.build_head(policy, resuming=resuming, ref_params=ref_params, history=history)
 
 
+def _update_eagle3(*args, **kwargs):
+    from jaxspec.rl.steps import draft_update
+
+    return draft_update(*args, **kwargs)
+
+
 def _save_eagle3(head, out_dir: str, *, policy, layout=None) -> None:
     from jaxspec.models.eagle3 import save_eagle3
 
@@ -181,7 +191,7 @@ def _save_eagle3(head, out_dir: str, *, policy, layout=None) -> None:
 
 EAGLE3_HEAD = HeadKind(
     name="eagle3", draft_vocab=True, inspect=_inspect_eagle3, build=_build_eagle3,
-    init_offline=lambda learner, policy, seed: learner.build_head(policy, resuming=False),
+    update=_update_eagle3, init_offline=lambda learner, policy, seed: learner.build_head(policy, resuming=False),
     save=_save_eagle3)
 
 
@@ -189,6 +199,12 @@ def _inspect_mtp(d, model_config, dtype: str) -> None:
     from jaxspec.rl.plan import inspect_mtp
 
     inspect_mtp(d.hf_path, model_config)
+
+
+def _update_mtp(*args, **kwargs):
+    from jaxspec.rl.steps import mtp_update
+
+    return mtp_update(*args, **kwargs)
 
 
 def _init_mtp(learner, policy, seed: int):
@@ -209,7 +225,7 @@ MTP_HEAD = HeadKind(
     name="mtp", draft_vocab=False, inspect=_inspect_mtp,
     build=lambda learner, policy, *, resuming, **_: learner.build_mtp_head(
         policy, resuming=resuming),
-    init_offline=_init_mtp, save=_save_mtp)
+    update=_update_mtp, init_offline=_init_mtp, save=_save_mtp)
 
 
 # ----------------------------------------------------------------------------- kinds
