@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 from typing import Any, Callable, Optional
 
 from jaxspec.decoding import drafters as drafters_lib
@@ -151,11 +150,13 @@ def _chain_depth(d) -> tuple[int, str]:
     return (d.tree.depth, "draft.tree.depth") if d.tree is not None else (d.k, "draft.k")
 
 
-def _history_drafter(d, history, groups, prompt_keys, depth: int):
+def _history_drafter(d, tree=None, *, history, groups, prompt_keys, **_):
+    """Kind history's drafter (and the hybrid's history part); without groups a one-row
+    drafter (for its static sizes)."""
     return history_lib.HistoryDrafter.for_batch(
         [0] if groups is None else groups, store=history,
         prompt_keys=None if groups is None else prompt_keys,
-        **dict(d.history.drafter_settings(d.k), k=depth))
+        **d.history.drafter_settings(d.k))
 
 
 def _check_history(d, depth: int) -> None:
@@ -275,8 +276,7 @@ def _history_depth(d) -> tuple[int, str]:
 
 register(DraftKind(
     name="history",
-    make_drafter=lambda d, tree, *, history, groups, prompt_keys, **_: _history_drafter(
-        d, history, groups, prompt_keys, d.history.depth or d.k),
+    make_drafter=_history_drafter,
     headroom=lambda d: d.history.budget, deepest=_history_depth,
     check=lambda d: _check_history(d, d.history.depth or d.k), history=True,
     no_tree=" (its tree is draft.history.budget nodes)"))
@@ -289,7 +289,7 @@ def _hybrid_depth(d) -> tuple[int, str]:
 def _hybrid_drafter(d, tree, *, head, history, groups, prompt_keys, **_):
     chain = drafters_lib.Eagle3Drafter(head, k=d.k, coupled=d.coupled)
     return history_lib.HybridDrafter(
-        _history_drafter(d, history, groups, prompt_keys, d.history.depth or d.k), chain,
+        _history_drafter(d, history=history, groups=groups, prompt_keys=prompt_keys), chain,
         budget=d.history.budget, gate=d.history.gate_head)
 
 
@@ -298,8 +298,3 @@ register(DraftKind(
     headroom=lambda d: d.history.budget, deepest=_hybrid_depth,
     check=lambda d: _check_history(d, _hybrid_depth(d)[0]), head=EAGLE3_HEAD, history=True,
     no_tree=" (its tree is draft.history.budget nodes)"))
-
-
-def head_dir(run_dir: str, head: HeadKind) -> str:
-    """Where a run exports its head: <run_dir>/<head name>."""
-    return os.path.join(run_dir, head.name)
