@@ -81,10 +81,16 @@ def build_draft_model(cfg, plan, cluster, *, resuming: bool,
 
 def export_models(run_dir: str, policy: Policy, *, source: str | None = None,
                   tokenizer=None) -> None:
-    """The policy to <run_dir>/policy (HF safetensors), servable as it is: the tokenizer
-    files, generation_config.json and special ids of `source` (the run's model.hf_path), or
-    of the built-in character `tokenizer` when there is no source. (A draft head is saved by
-    its kind: `rl.kinds.HeadKind.save`.)"""
+    """The policy to <run_dir>/policy (HF safetensors), servable as it is. A draft head is
+    saved by its kind (`rl.kinds.HeadKind.save`).
+
+    Args:
+        run_dir: the run's directory.
+        policy: the trained policy (host arrays).
+        source: the run's model.hf_path, whose tokenizer files, generation_config.json and
+            special ids are copied; None: the tiny model's.
+        tokenizer: the built-in character tokenizer, written when there is no source.
+    """
     from jaxspec.models import save_hf
     from jaxspec.models.hf import SpecialTokens, save_char_tokenizer
 

@@ -24,9 +24,10 @@ __all__ = ["DraftLearner"]
 
 
 class DraftLearner:
-    """Trains an EAGLE-3 head on the policy's features with the TTT loss and its own
-    optimizer (`draft_optim`): offline from the policy's own rollouts (`init_head`) and
-    online on each RL step's logprob stage (`update`), one compiled update for both."""
+    """Trains the draft kind's head (EAGLE-3 or MTP) on the policy's features with the TTT
+    loss and its own optimizer (`draft_optim`): offline from the policy's own rollouts
+    (`init_head`, `init_mtp_head`) and online on each RL step's logprob stage (`update`),
+    one compiled update for both."""
 
     def __init__(self, cfg, plan, cluster, sampling: SamplingConfig, *, filtered: bool,
                  log: Callable[[str], None] | None = None):
@@ -43,9 +44,18 @@ class DraftLearner:
         return self.optimizer.init(head.params)
 
     def update(self, head, opt_state, policy, scored: dict):
-        """One update of the draft kind's head (`HeadKind.update`) from score_rollouts'
-        output (capture on); run it inside `cluster.training()`. Returns (head, opt_state,
-        metrics)."""
+        """One update of the draft kind's head (`HeadKind.update`); run it inside
+        `cluster.training()`.
+
+        Args:
+            head: the head being trained (EAGLE-3 or MTP, as the kind says).
+            opt_state: its optimizer state.
+            policy: the policy whose features it learns from.
+            scored: `rl.steps.score_rollouts`' output, with the captured layers.
+
+        Returns:
+            (head, opt_state, metrics) after the update.
+        """
         return KINDS[self.cfg.draft.kind].head.update(
             head, opt_state, policy, scored, optimizer=self.optimizer, loss_cfg=self.loss_cfg)
 

@@ -62,6 +62,10 @@ def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
 def inspect_mtp(path: str, model_config: ModelConfig) -> None:
     """The MTP layer of the HF checkpoint in `path` (config.json) checked against the policy.
 
+    Args:
+        path: draft.hf_path, a local HF checkpoint with an MTP layer.
+        model_config: the policy's.
+
     Raises:
         ConfigError: on draft.hf_path, when the layer is unreadable or not the policy's.
     """
@@ -83,6 +87,11 @@ def inspect_mtp(path: str, model_config: ModelConfig) -> None:
 def inspect_head(d, model_config: ModelConfig, dtype: str):
     """The EAGLE-3 head in draft.hf_path checked against the policy and the `draft:`
     section `d` (config.json, safetensors headers, shapes, captured layers; no weights read).
+
+    Args:
+        d: the `draft:` section (config.DraftSpec), its hf_path set.
+        model_config: the policy's.
+        dtype: model.dtype, the head's parameter dtype.
 
     Returns:
         The head's Eagle3Config.
@@ -192,8 +201,20 @@ def _saved_steps(directory: str) -> list[int]:
 
 def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     """Every check a user's input can fail, on the host, before any compilation: the task
-    and its data, the tokenizer, prompt lengths against the cache, the draft against the
-    policy, the device split, and the checkpoint to resume from. Raises one ConfigError."""
+    and its data, the tokenizer, prompt lengths against the cache (with the draft kind's
+    headroom), the draft against the policy (the kind's head or draft model on disk), the
+    device split, and the checkpoint to resume from.
+
+    Args:
+        cfg: the run's validated config.
+        devices: the devices to run on; None: all of them.
+
+    Returns:
+        The RunPlan the trainer builds from.
+
+    Raises:
+        ConfigError: the first problem found, with its dotted key.
+    """
     d, r = cfg.draft, cfg.rollout
     changes = _resume_changes(cfg) if cfg.run.resume else {}  # before orbax is touched
     try:  # a named attention kernel this platform cannot run
