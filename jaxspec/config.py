@@ -742,10 +742,6 @@ def _apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
-def _not_plain(value):
-    raise ConfigError("", value, "not a YAML number, string, boolean, null, list or mapping")
-
-
 def from_dict(data: dict, *, check_paths: bool = False) -> Config:
     """A Config from a plain nested mapping (the YAML layout).
 
@@ -760,8 +756,9 @@ def from_dict(data: dict, *, check_paths: bool = False) -> Config:
         ConfigError: the first bad entry, with its dotted key.
     """
     # As JSON, so that pydantic's strict mode takes mappings for dataclasses and lists for
-    # tuples (non-finite floats pass as Infinity / NaN and are refused by the schema).
-    text = json.dumps(data or {}, allow_nan=True, default=_not_plain)
+    # tuples (non-finite floats pass as Infinity / NaN and are refused by the schema; other
+    # YAML scalars, such as dates, as their text).
+    text = json.dumps(data or {}, allow_nan=True, default=str)
     try:
         cfg = _CONFIG.validate_json(text, strict=True)
     except pydantic.ValidationError as e:
