@@ -1,26 +1,23 @@
-"""Run configuration: the library's own frozen dataclasses as the schema, read from YAML
-files and `a.b=c` overrides.
+"""Run configuration: frozen dataclasses validated by pydantic, read from YAML files and
+`a.b=c` overrides.
 
 A key has one default and one check, in one place. Where the library defines a setting, the
 section is the library's class or derived from it: `grpo` is `rl.grpo.GRPOConfig`,
-`draft.tree` is `decoding.drafters.TreeSpec`; `model` holds `models.config.ModelConfig`'s
-fields (defaults: its tiny preset with 4 layers and a 256-slot cache) and is checked by
-building one; `draft.ngram` takes defaults and checks from `NGramDrafter`; `sampling` takes
-its defaults and checks from `decoding.sampling.SamplingConfig` (its host-side
-`check_settings`, so loading a file touches no device); `mesh` takes axes, sizes and
-rules from `parallel` (`make_mesh`'s defaults, `DEFAULT_RULES`, `check_mesh_sizes`, `resolve_rules`). The
+`draft.tree` is `decoding.drafters.TreeSpec`; `model` has `models.config.ModelConfig`'s
+fields (derived from the class; defaults: its tiny preset with 4 layers and a 256-slot
+cache) and is checked by building one; `draft.ngram`, `draft.history` and `sampling` take
+their defaults and checks from `NGramDrafter`, `HistoryDrafter` and `SamplingConfig`;
+`mesh` takes axes, sizes and rules from `parallel`; `draft.kind` is a name in the registry
+`rl.kinds.KINDS`, which checks the rest of the `draft` section for its kind. The
 trainer-only sections (rollout, optim, warmup, task, run, async) are defined here.
 
-A library class raises ValueError naming its field (`TreeSpec.budget ...`); the loader turns
-it into one `ConfigError` with the full dotted key, the value and what is valid. Every float
-must be finite. YAML is read with YAML 1.2 floats, so `1e-5` is a number.
-
-Why a small loader over dataclasses rather than pydantic: the schema has to be the library's
-plain frozen dataclasses (hashable static jit arguments, usable with no config layer);
-pydantic would need a second model per class, the duplication this module removes, or
-pydantic types inside the library. The loader below (coercion, dotted keys, "did you mean")
-is about 250 lines. Library classes are imported on first use, so `import jaxspec.config`
-imports neither jax nor the trainer.
+pydantic checks types (strictly: no string to number, no float to int, every float finite),
+ranges and unknown keys, on the library's own dataclasses as on these; checks that span
+fields run in each class's `__post_init__`. A library class raises `errors.FieldError`
+(field, value, problem, valid); a section raises `ConfigError` with its relative key. Both,
+and pydantic's own errors, become one `ConfigError` with the full dotted key, the value and
+what is valid, and a "did you mean" for a misspelt key. YAML is read with YAML 1.2 floats,
+so `1e-5` is a number.
 """
 
 from __future__ import annotations
@@ -30,14 +27,26 @@ import difflib
 import functools
 import importlib
 import inspect
+import json
 import math
 import os
 import re
 import types
 import typing
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
+import pydantic
 import yaml
+from pydantic import Field
+
+from jaxspec import parallel
+from jaxspec.decoding.drafters import NGramDrafter, TreeSpec
+from jaxspec.decoding.history import HistoryDrafter, HybridDrafter
+from jaxspec.decoding.sampling import SamplingConfig, check_settings
+from jaxspec.errors import ConfigError, FieldError
+from jaxspec.models.config import ModelConfig
+from jaxspec.rl import kinds
+from jaxspec.rl.grpo import GRPOConfig
 
 __all__ = [
     "AsyncSpec",
@@ -45,9 +54,9 @@ __all__ = [
     "ConfigError",
     "DraftSpec",
     "GRPOConfig",
+    "HistorySpec",
     "MeshSpec",
     "ModelSpec",
-    "HistorySpec",
     "NgramSpec",
     "OptimSpec",
     "RolloutSpec",
@@ -62,53 +71,6 @@ __all__ = [
     "save",
     "to_dict",
 ]
-
-
-class ConfigError(ValueError):
-    """One bad config entry: the full dotted key, the value found and what would be valid."""
-
-    def __init__(self, key: str, value: Any, problem: str, valid: str | None = None):
-        self.key, self.value, self.problem, self.valid = key, value, problem, valid
-        msg = f"config key '{key}' = {value!r}: {problem}"
-        if valid:
-            msg += f"; valid: {valid}"
-        super().__init__(msg)
-
-    def under(self, prefix: str) -> "ConfigError":
-        """The same error with its key placed under the section `prefix`."""
-        if not prefix:
-            return self
-        key = f"{prefix}.{self.key}" if self.key else prefix
-        return ConfigError(key, self.value, self.problem, self.valid)
-
-
-# ----------------------------------------------------------------------------- library types
-
-# Schema types the library defines, imported on first use (they import jax).
-_LIBRARY = {
-    "GRPOConfig": "jaxspec.rl.grpo",
-    "Llama3RopeScaling": "jaxspec.models.config",
-    "ModelConfig": "jaxspec.models.config",
-    "NGramDrafter": "jaxspec.decoding.drafters",
-    "HistoryDrafter": "jaxspec.decoding.history",
-    "HybridDrafter": "jaxspec.decoding.history",
-    "SamplingConfig": "jaxspec.decoding.sampling",
-    "TreeSpec": "jaxspec.decoding.drafters",
-}
-
-
-def _lib(name: str):
-    return getattr(importlib.import_module(_LIBRARY[name]), name)
-
-
-def __getattr__(name: str):  # `jaxspec.config.TreeSpec` is the library's class itself
-    if name in _LIBRARY:
-        return _lib(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _parallel():
-    return importlib.import_module("jaxspec.parallel")
 
 
 # ----------------------------------------------------------------------------- YAML
@@ -130,60 +92,89 @@ def _yaml_load(stream):
     return yaml.load(stream, Loader=_Loader)
 
 
-# ----------------------------------------------------------------------------- fields
+# ----------------------------------------------------------------------------- schema
 
-_MISSING = dataclasses.MISSING
-
-
-def _field(default: Any = _MISSING, *, factory: Callable[[], Any] | None = None,
-           check: Callable[[Any], bool] | None = None, valid: str | None = None,
-           key: str | None = None):
-    """A schema field: `check(value)` must hold (None always passes for Optional fields);
-    `valid` says in words what passes; `key` is the YAML spelling when it is not the name."""
-    meta = {"check": check, "valid": valid, "key": key}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+# Strict types (JSON-like input: mappings become dataclasses, lists tuples), unknown keys
+# refused, floats finite; a field may be given by its name or its YAML key (`async`).
+_SCHEMA = pydantic.ConfigDict(strict=True, extra="forbid", allow_inf_nan=False,
+                              validate_by_name=True, validate_by_alias=True)
 
 
-def _ge(lo):
-    return dict(check=lambda v: v >= lo, valid=f">= {lo}")
+def _section(cls):
+    """`cls` as a frozen pydantic dataclass of the schema; constructing it directly with a
+    bad value raises ConfigError (keys relative to the section)."""
+    cls = pydantic.dataclasses.dataclass(frozen=True, config=_SCHEMA)(cls)
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except pydantic.ValidationError as e:
+            raise _config_error(e, type(self)) from None
+
+    cls.__init__ = __init__
+    return cls
 
 
-def _gt(lo):
-    return dict(check=lambda v: v > lo, valid=f"> {lo}")
+def _default(cls, name: str):
+    """The default of field `name` of the library dataclass `cls`."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
-def _in_unit(lo_open: bool, hi_open: bool):
-    text = f"{'(' if lo_open else '['}0, 1{')' if hi_open else ']'}"
-    return dict(check=lambda v: (v > 0 if lo_open else v >= 0) and (v < 1 if hi_open else v <= 1),
-                valid=f"a number in {text}")
+def _unit(default: float, lo_open: bool, hi_open: bool):
+    """A field holding a number in [0, 1] with the given ends open."""
+    return Field(default, **({"gt": 0} if lo_open else {"ge": 0}),
+                 **({"lt": 1} if hi_open else {"le": 1}))
 
 
-def _library_default(cls_name: str, name: str):
-    """The default of field `name` of library class `cls_name`: a lazy factory."""
-    def default():
-        f = {f.name: f for f in dataclasses.fields(_lib(cls_name))}[name]
-        return f.default if f.default_factory is _MISSING else f.default_factory()
-    return dataclasses.field(default_factory=default)
+# ----------------------------------------------------------------------------- errors
+
+def _yaml_key(cls, name: str) -> str:
+    info = getattr(cls, "__pydantic_fields__", {}).get(name)
+    return (info.alias if info is not None else None) or name
 
 
-# ----------------------------------------------------------------------------- schema core
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
+@functools.cache
 def _hints(cls) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls, localns={n: _lib(n) for n in _LIBRARY})
-    return _HINTS[cls]
+    return typing.get_type_hints(cls)
 
 
-def _yaml_key(f: dataclasses.Field) -> str:
-    return f.metadata.get("key") or f.name
+def _keys_of(cls) -> dict[str, str]:
+    """{YAML key: field name} of a schema dataclass."""
+    return {_yaml_key(cls, f.name): f.name for f in dataclasses.fields(cls)}
+
+
+def _dataclass_in(hint):
+    """The dataclass a field holds (`TreeSpec` for Optional[TreeSpec]), or None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    return next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), None)
+
+
+def _locate(root, loc) -> tuple[list[str], Any, Any, str | None]:
+    """Follow a pydantic error location through the schema: (YAML key parts, the type
+    there, the dataclass owning the last field, that field's name). Union member tags and
+    tuple indices end the walk at the field that holds them."""
+    parts, hint, owner, name = [], root, None, None
+    for part in loc:
+        cls = _dataclass_in(hint)
+        origin = typing.get_origin(hint)
+        if cls is not None and isinstance(part, str) and part in _keys_of(cls):
+            owner, name = cls, _keys_of(cls)[part]
+            parts.append(part)
+            hint = _hints(cls)[name]
+        elif origin is dict and isinstance(part, str):
+            parts.append(part)
+            hint = typing.get_args(hint)[1]
+        else:
+            break
+    return parts, hint, owner, name
 
 
 def _describe(hint) -> str:
+    """What a value of type `hint` looks like, in words."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return "any value"
@@ -198,170 +189,48 @@ def _describe(hint) -> str:
     if origin is dict:
         return "a mapping"
     if dataclasses.is_dataclass(hint):
-        return f"a mapping with keys {', '.join(_yaml_key(f) for f in dataclasses.fields(hint))}"
+        return f"a mapping with keys {', '.join(_keys_of(hint))}"
     return {bool: "true or false", int: "an integer", float: "a finite number",
             str: "a string"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-class _Bad(Exception):
-    pass
-
-
-def _coerce(hint, value):
-    """`value` as type `hint` (ints widen to floats, lists to tuples), or raise _Bad."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin is Literal:
-        if any(value == a and type(value) is type(a) for a in args):
-            return value
-        raise _Bad
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise _Bad
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, value)
-            except _Bad:
-                pass
-        raise _Bad
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Bad
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _Bad
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                math.isfinite(value):
-            return float(value)
-        raise _Bad
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise _Bad
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise _Bad
-        if args and args[-1] is Ellipsis:
-            return tuple(_coerce(args[0], v) for v in value)
-        if len(value) != len(args):
-            raise _Bad
-        return tuple(_coerce(a, v) for a, v in zip(args, value, strict=True))
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise _Bad
-        vt = args[1] if args else Any
-        return {k: _coerce(vt, v) for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
-        if isinstance(value, hint):
-            return value
-        if isinstance(value, dict):
-            return _build(hint, value)
-        raise _Bad
-    raise TypeError(f"unsupported schema type {hint!r}")
-
-
-def _checked(cls, f: dataclasses.Field, value):
-    """Field `f` of `cls` coerced to its type and checked, or one ConfigError (key relative)."""
-    hint = _hints(cls)[f.name]
-    key = _yaml_key(f)
-    try:
-        value = _coerce(hint, value)
-    except _Bad:
-        problem = "wrong type"
-        if (isinstance(value, float) and not math.isfinite(value)) or (
-                isinstance(value, str) and value.strip().lstrip("+-.").lower() in ("inf", "nan")):
-            problem = "not a finite number"
-        if typing.get_origin(hint) is Literal:
-            choices = [str(a) for a in typing.get_args(hint)]
-            close = difflib.get_close_matches(str(value), choices, n=1)
-            problem = "not a valid choice" + (f" (did you mean '{close[0]}'?)" if close else "")
-        raise ConfigError(key, value, problem, _describe(hint)) from None
-    except ConfigError as e:
-        raise e.under(key) from None
-    check = f.metadata.get("check")
-    if check is not None and value is not None and not check(value):
-        raise ConfigError(key, value, "out of range", f.metadata.get("valid"))
-    return value
-
-
-def _library_error(obj_or_cls, values: dict, error: Exception) -> ConfigError:
-    """A library class's ValueError as a ConfigError on the field its message is about
-    (`TreeSpec.budget ...`; else a field it names, preferring one not at its default)."""
-    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    text = str(error)
-    subject = [m.group(1) for m in re.finditer(r"\b[A-Za-z_]\w*\.(\w+)", text)
-               if m.group(1) in fields]
-    named = [n for n in fields if re.search(rf"\b{n}\b", text)]
-
-    def changed(n):
-        f = fields[n]
-        default = f.default if f.default_factory is _MISSING else f.default_factory()
-        return n in values and values[n] != default
-
-    pick = subject[0] if subject else next((n for n in named if changed(n)),
-                                           named[0] if named else None)
-    if pick is None:
-        return ConfigError("", values, text)
-    value = values.get(pick, getattr(obj_or_cls, pick, None))
-    prefix = f"{cls.__name__}.{pick}={value!r}"
-    problem = text[len(prefix):].lstrip(" :;,") if text.startswith(prefix) else text
-    return ConfigError(_yaml_key(fields[pick]), value, problem or text)
-
-
-class _Section:
-    """Base of the config's own sections: coerces and checks each field on construction."""
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _checked(type(self), f, getattr(self, f.name)))
-        self._validate()
-
-    def _validate(self) -> None:
-        """Checks that involve several fields; raise ConfigError(field, ...)."""
-
-    def _library_check(self, build: Callable[[], Any]):
-        """`build()` (which constructs a library object from these fields) or a ConfigError."""
-        try:
-            return build()
-        except (ValueError, TypeError) as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise _library_error(self, {f.name: getattr(self, f.name)
-                                        for f in dataclasses.fields(self)}, e) from None
-
-
-def _section_type(hint):
-    """The section class a field holds (`TreeSpec` for Optional[TreeSpec]), or None."""
-    if dataclasses.is_dataclass(hint):
-        return hint
-    return next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), None)
+def _bounds(owner, name: str) -> str | None:
+    """A field's numeric bounds in words (">= 1", "a number in [0, 1)"), from its metadata."""
+    info = getattr(owner, "__pydantic_fields__", {}).get(name)
+    if info is None:
+        return None
+    lo = hi = None
+    for m in info.metadata:
+        for attr, side, text in (("ge", "lo", "["), ("gt", "lo", "("), ("le", "hi", "]"),
+                                 ("lt", "hi", ")")):
+            if getattr(m, attr, None) is not None:
+                if side == "lo":
+                    lo = (text, getattr(m, attr))
+                else:
+                    hi = (text, getattr(m, attr))
+    if lo and hi:
+        return f"a number in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+    if lo:
+        return f"{'>=' if lo[0] == '[' else '>'} {lo[1]}"
+    if hi:
+        return f"{'<=' if hi[0] == ']' else '<'} {hi[1]}"
+    return None
 
 
 def _all_keys(cls, prefix: str = "") -> list[str]:
     keys = []
-    for f in dataclasses.fields(cls):
-        key = prefix + _yaml_key(f)
-        keys.append(key)
-        sub = _section_type(_hints(cls)[f.name])
+    for key, name in _keys_of(cls).items():
+        keys.append(prefix + key)
+        sub = _dataclass_in(_hints(cls)[name])
         if sub is not None:
-            keys.extend(_all_keys(sub, key + "."))
+            keys.extend(_all_keys(sub, prefix + key + "."))
     return keys
 
 
 def _suggest(cls, bad: str, prefix: str) -> str:
     """A 'did you mean' for an unknown key: a close key of the same section, else the same
     leaf name anywhere in the schema (e.g. 'rollout.temperature' -> 'sampling.temperature')."""
-    here = [_yaml_key(f) for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(bad, here, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(bad, list(_keys_of(cls)), n=1, cutoff=0.6)
     if close:
         return f"did you mean '{prefix}{close[0]}'?"
     everywhere = _all_keys(Config)
@@ -372,237 +241,221 @@ def _suggest(cls, bad: str, prefix: str) -> str:
     return f"did you mean '{close[0]}'?" if close else ""
 
 
-def _build(cls, data: Any, prefix: str = ""):
-    """Section or library class `cls` from a plain mapping; errors carry keys relative to
-    the caller."""
-    if not isinstance(data, dict):
-        raise ConfigError("", data, "expected a mapping", _describe(cls))
-    by_key = {_yaml_key(f): f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in by_key:
-            hint = _suggest(cls, str(key), prefix)
-            raise ConfigError(str(key), value, "unknown key" + (f" ({hint})" if hint else ""),
-                              ", ".join(by_key))
-        f = by_key[key]
-        target = _section_type(_hints(cls)[f.name])
-        if target is not None and isinstance(value, dict):
-            try:
-                value = _build(target, value, prefix + key + ".")
-            except ConfigError as e:
-                raise e.under(key) from None
-        kwargs[f.name] = _checked(cls, f, value)
-    if issubclass(cls, _Section):
-        return cls(**kwargs)
-    try:  # a library class checks itself
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        raise _library_error(cls, kwargs, e) from None
+_RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _config_error(error: pydantic.ValidationError, root) -> ConfigError:
+    """pydantic's first error on `root` as one ConfigError with the dotted key."""
+    err = error.errors()[0]
+    parts, hint, owner, name = _locate(root, err["loc"])
+    key = ".".join(parts)
+    value, etype = err["input"], err["type"]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigError):
+        return cause.under(key)
+    if isinstance(cause, FieldError):
+        field = _yaml_key(_dataclass_in(hint), cause.field) if _dataclass_in(hint) else cause.field
+        return ConfigError(f"{key}.{field}" if key else field, cause.value, cause.problem,
+                           cause.valid)
+    if cause is not None:
+        return ConfigError(key, value, str(cause))
+    if etype == "unexpected_keyword_argument":
+        section, bad = _dataclass_in(hint), str(err["loc"][-1])
+        prefix = key + "." if key else ""
+        hint_text = _suggest(section, bad, prefix)
+        return ConfigError(prefix + bad, value, "unknown key" + (f" ({hint_text})" if hint_text
+                                                                  else ""),
+                           ", ".join(_keys_of(section)))
+    if etype in _RANGE:
+        return ConfigError(key, value, "out of range", _bounds(owner, name))
+    problem = "wrong type"
+    if etype == "finite_number" or (isinstance(value, str) and
+                                   value.strip().lstrip("+-.").lower() in ("inf", "nan")):
+        problem = "not a finite number"
+    if etype == "literal_error":
+        choices = [str(a) for a in typing.get_args(hint)]
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        problem = "not a valid choice" + (f" (did you mean '{close[0]}'?)" if close else "")
+    return ConfigError(key, value, problem, _describe(hint))
 
 
 # ----------------------------------------------------------------------------- sections
 
-_TINY_POLICY = dict(family="qwen3", num_layers=4, max_position_embeddings=256)
-
-
 @functools.cache
-def _tiny_policy():
+def _tiny_policy() -> ModelConfig:
     """The tiny run's policy: ModelConfig's tiny preset with 4 layers and a 256-slot cache."""
-    return _lib("ModelConfig").tiny(**_TINY_POLICY)
+    return ModelConfig.tiny("qwen3", num_layers=4, max_position_embeddings=256)
 
 
-def _tiny(name: str):
-    return dataclasses.field(default_factory=lambda: getattr(_tiny_policy(), name))
+class _ModelFields:
+    """The methods of ModelSpec (whose fields are made from ModelConfig's below)."""
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        """The `ModelConfig` of these fields with the given vocabulary.
+
+        Args:
+            vocab_size: the vocabulary (the spec's own `vocab_size` may be null).
+
+        Returns:
+            The library's model description, checked by its own `__post_init__`.
+        """
+        names = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"]
+        return ModelConfig(vocab_size=vocab_size, **{n: getattr(self, n) for n in names})
+
+    def __post_init__(self):
+        self.model_config(self.vocab_size if self.vocab_size is not None else 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec(_Section):
-    """The policy: a local HF directory (`hf_path`; the architecture fields are then read
-    from its config.json and ignored here) or a tiny transformer built from these fields,
-    which are `ModelConfig`'s (defaults from `ModelConfig.tiny`, checks by `ModelConfig`)."""
-
-    hf_path: Optional[str] = None
-    family: str = _tiny("family")
-    vocab_size: Optional[int] = None  # null: the task tokenizer's vocabulary
-    hidden_size: int = _tiny("hidden_size")
-    intermediate_size: int = _tiny("intermediate_size")
-    num_layers: int = _tiny("num_layers")
-    num_heads: int = _tiny("num_heads")
-    num_kv_heads: int = _tiny("num_kv_heads")
-    head_dim: int = _tiny("head_dim")
-    rope_theta: float = _tiny("rope_theta")
-    rope_scaling: Optional[Llama3RopeScaling] = _tiny("rope_scaling")  # noqa: F821 (lazy)
-    rms_norm_eps: float = _tiny("rms_norm_eps")
-    qk_norm: bool = _tiny("qk_norm")
-    tie_embeddings: bool = _tiny("tie_embeddings")
-    max_position_embeddings: int = _tiny("max_position_embeddings")
-    dtype: str = _tiny("dtype")
-    attention_backend: str = _tiny("attention_backend")  # jaxspec.kernels.BACKENDS
-    batch_invariant: bool = _tiny("batch_invariant")  # bitwise bf16 replay; costs speed
-    layer_loop: str = _tiny("layer_loop")  # decoding: auto | scan | unroll (jaxspec.models)
-
-    def model_config(self, vocab_size: int):
-        """The `ModelConfig` of these fields with the given vocabulary."""
-        names = [f.name for f in dataclasses.fields(_lib("ModelConfig")) if f.name != "vocab_size"]
-        return _lib("ModelConfig")(vocab_size=vocab_size, **{n: getattr(self, n) for n in names})
-
-    def _validate(self):
-        self._library_check(lambda: self.model_config(
-            self.vocab_size if self.vocab_size is not None else 1))
+def _model_spec():
+    """ModelSpec: `hf_path`, then every ModelConfig field with its type, the tiny preset's
+    value as default, and `vocab_size` optional (null: the task tokenizer's vocabulary)."""
+    hints, tiny = typing.get_type_hints(ModelConfig), _tiny_policy()
+    fields = [("hf_path", Optional[str], None)]
+    for f in dataclasses.fields(ModelConfig):
+        if f.name == "vocab_size":
+            fields.append((f.name, Optional[int], None))
+        else:
+            fields.append((f.name, hints[f.name], getattr(tiny, f.name)))
+    namespace = {"__module__": __name__, "__qualname__": "ModelSpec",
+                 "__annotations__": {n: t for n, t, _ in fields},
+                 **{n: d for n, _, d in fields}, "__doc__": (
+                     "The policy: a local HF directory (`hf_path`; the architecture fields are "
+                     "then read from its config.json and ignored here) or a tiny transformer "
+                     "built from these fields, which are `ModelConfig`'s (defaults from "
+                     "`ModelConfig.tiny`, checks by `ModelConfig`).")}
+    return _section(type("ModelSpec", (_ModelFields,), namespace))
 
 
-@dataclasses.dataclass(frozen=True)
-class NgramSpec(_Section):
+ModelSpec = _model_spec()
+
+
+@_section
+class NgramSpec:
     """Prompt-lookup drafting (`NGramDrafter`): match the last n tokens, min_n <= n <= max_n."""
 
-    min_n: int = _library_default("NGramDrafter", "min_n")
-    max_n: int = _library_default("NGramDrafter", "max_n")
+    min_n: int = _default(NGramDrafter, "min_n")
+    max_n: int = _default(NGramDrafter, "max_n")
 
-    def _validate(self):
-        self._library_check(lambda: _lib("NGramDrafter")(min_n=self.min_n, max_n=self.max_n))
+    def __post_init__(self):
+        NGramDrafter(min_n=self.min_n, max_n=self.max_n)
 
 
-@dataclasses.dataclass(frozen=True)
-class HistorySpec(_Section):
-    """Group-aware drafting (`HistoryDrafter`, kinds history and hybrid): the continuations of
-    the longest matched suffix (min_n <= n <= max_n) in the group's in-flight rollouts and the
-    prompt's stored earlier rollouts; a tree of `budget` nodes (hybrid: shared with the
-    EAGLE-3 chain of draft.k), `depth` deep (null: draft.k). The store keeps `per_prompt` rollouts for each of `prompts`
-    prompts (least recently written reused first) and is checkpointed with the run."""
+@_section
+class HistorySpec:
+    """Group-aware drafting (`HistoryDrafter`, kinds history and hybrid): the continuations
+    of the longest matched suffix (min_n <= n <= max_n) in the group's in-flight rollouts and
+    the prompt's stored earlier rollouts; a tree of `budget` nodes (hybrid: shared with the
+    EAGLE-3 chain of draft.k), `depth` deep (null: draft.k). The store keeps `per_prompt`
+    rollouts for each of `prompts` prompts (least recently written reused first) and is
+    checkpointed with the run."""
 
-    budget: int = _library_default("HistoryDrafter", "budget")  # tree nodes per verify
-    depth: Optional[int] = _field(None, **_ge(1))  # history draft depth; null: draft.k
-    min_n: int = _library_default("HistoryDrafter", "min_n")
-    max_n: int = _library_default("HistoryDrafter", "max_n")
-    max_matches: int = _library_default("HistoryDrafter", "max_matches")  # merged per row
-    prompts: int = _field(64, **_ge(1))  # prompt slots in the store
-    per_prompt: int = _field(4, **_ge(1))  # stored rollouts per prompt (a ring)
+    budget: int = _default(HistoryDrafter, "budget")  # tree nodes per verify
+    depth: Optional[int] = Field(None, ge=1)  # history draft depth; null: draft.k
+    min_n: int = _default(HistoryDrafter, "min_n")
+    max_n: int = _default(HistoryDrafter, "max_n")
+    max_matches: int = _default(HistoryDrafter, "max_matches")  # merged per row
+    prompts: int = Field(64, ge=1)  # prompt slots in the store
+    per_prompt: int = Field(4, ge=1)  # stored rollouts per prompt (a ring)
     # hybrid: the head drafts only in iterations where some live row's history has no
     # full-depth path (false: at every iteration)
-    gate_head: bool = _library_default("HybridDrafter", "gate")
+    gate_head: bool = _default(HybridDrafter, "gate")
 
     def drafter_settings(self, k: int) -> dict:
-        """The HistoryDrafter keywords of these fields (depth: `depth`, else k)."""
+        """The HistoryDrafter keywords of these fields.
+
+        Args:
+            k: draft.k, the depth when `depth` is null.
+        """
         return dict(k=self.depth or k, budget=self.budget, min_n=self.min_n, max_n=self.max_n,
                     max_matches=self.max_matches)
 
-    def _validate(self):
-        self._library_check(lambda: _lib("HistoryDrafter")(
-            store=None, siblings=None, slots=None, **self.drafter_settings(1)))
+    def check(self, k: int) -> None:
+        """HistoryDrafter's own checks of these fields at draft depth `k`; a FieldError
+        on its `k` is one on `depth`."""
+        try:
+            HistoryDrafter(store=None, siblings=None, slots=None,
+                           **dict(self.drafter_settings(1), k=k))
+        except FieldError as e:
+            raise ConfigError("depth" if e.field == "k" else e.field, e.value, e.problem,
+                              e.valid) from None
+
+    def __post_init__(self):
+        self.check(self.depth or 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class DraftSpec(_Section):
-    """The drafter proposing tokens for the policy to verify."""
+@_section
+class DraftSpec:
+    """The drafter proposing tokens for the policy to verify: a kind from `rl.kinds.KINDS`
+    and its settings."""
 
-    # history: group-aware suffix drafts; hybrid: history + the EAGLE-3 chain in one tree
-    kind: Literal["none", "eagle3", "mtp", "draft_model", "ngram", "history", "hybrid"] = "eagle3"
-    k: int = _field(3, **_ge(1))  # chain length (drafted tokens per verify)
+    kind: str = "eagle3"  # a name in jaxspec.rl.kinds.KINDS
+    k: int = Field(3, ge=1)  # chain length (drafted tokens per verify)
     # choose k in 0..k (0 = plain) per loop iteration from costs measured at start-up and the
-    # live acceptance (chain kinds eagle3 / mtp / draft_model / ngram)
+    # live acceptance (chain kinds)
     adaptive_k: bool = False
-    # replay: chain drafts (eagle3 / mtp / draft_model, the hybrid's head) drawn from the
-    # draft distribution with the verifier's noise at their position, so a calibrated draft is
-    # accepted far more often at temperature > 0; false: the draft's argmax
+    # replay: chain drafts drawn from the draft distribution with the verifier's noise at
+    # their position, so a calibrated draft is accepted far more often at temperature > 0;
+    # false: the draft's argmax
     coupled: bool = True
-    tree: Optional[TreeSpec] = None  # noqa: F821 (lazy) null: chain drafting
-    draft_vocab_size: Optional[int] = _field(None, **_ge(1))  # null: the policy's vocabulary
+    tree: Optional[TreeSpec] = None  # null: chain drafting
+    draft_vocab_size: Optional[int] = Field(None, ge=1)  # null: the policy's vocabulary
     hf_path: Optional[str] = None  # pretrained head (eagle3/mtp) or draft model directory
     layers: Optional[tuple[int, int, int]] = None  # EAGLE-3 captured layers; null: default
-    online: bool = True  # train the EAGLE-3 head inside each RL step (other kinds: ignored)
-    ttt_steps: int = _field(3, **_ge(1))  # training-time-test unroll steps
-    ttt_decay: float = _field(0.8, **_in_unit(True, False))  # loss weight decay^step
-    collapse_threshold: float = _field(1.05, **_ge(1))  # acceptance length under it is a collapse
-    collapse_patience: int = _field(3, **_ge(1))  # alarm after this many collapsed steps in a row
+    online: bool = True  # train the kind's head inside each RL step (kinds without: ignored)
+    ttt_steps: int = Field(3, ge=1)  # training-time-test unroll steps
+    ttt_decay: float = _unit(0.8, True, False)  # loss weight decay^step
+    collapse_threshold: float = Field(1.05, ge=1)  # acceptance length under it is a collapse
+    collapse_patience: int = Field(3, ge=1)  # alarm after this many collapsed steps in a row
     model: Optional[ModelSpec] = None  # the small model for kind draft_model (or hf_path)
-    ngram: NgramSpec = _field(factory=NgramSpec)
-    history: HistorySpec = _field(factory=HistorySpec)  # kinds history and hybrid
+    ngram: NgramSpec = Field(default_factory=NgramSpec)
+    history: HistorySpec = Field(default_factory=HistorySpec)  # kinds history and hybrid
 
-    def _validate(self):
-        if self.tree is not None and self.kind in ("none", "ngram", "history", "hybrid"):
-            raise ConfigError("tree", dataclasses.asdict(self.tree),
-                              f"draft kind '{self.kind}' does not take draft.tree"
-                              + (" (its tree is draft.history.budget nodes)"
-                                 if self.kind in ("history", "hybrid") else ""),
-                              "null, or kind eagle3 / mtp / draft_model")
-        if self.kind in ("history", "hybrid"):  # the budget must hold a chain of k
-            deepest = self.history.depth or self.k  # hybrid: the head's chain too
-            deepest = max(deepest, self.k) if self.kind == "hybrid" else deepest
-            try:
-                self.history._library_check(lambda: _lib("HistoryDrafter")(
-                    store=None, siblings=None, slots=None,
-                    **dict(self.history.drafter_settings(self.k), k=deepest)))
-            except ConfigError as e:
-                raise e.under("history") from None
-        if self.adaptive_k and (self.kind not in ("eagle3", "mtp", "draft_model", "ngram")
-                                or self.tree is not None):
-            raise ConfigError("adaptive_k", True,
-                              f"adaptive draft length needs chain drafts; draft kind "
-                              f"'{self.kind}'" + (" with draft.tree" if self.tree is not None else "")
-                              + " has none", "false, or kind eagle3 / mtp / draft_model / ngram "
-                              "without draft.tree")
-        if self.kind == "draft_model" and self.model is None and self.hf_path is None:
-            raise ConfigError("model", None, "kind 'draft_model' needs a model",
-                              "a model spec (draft.model.*) or draft.hf_path")
-        if self.kind != "none":  # a verify step accepts at most depth + 1 tokens
-            most = (self.tree.depth if self.tree is not None else self.k) + 1
-            what = "draft.tree.depth" if self.tree is not None else "draft.k"
-            if self.kind == "history":
-                most = self.history.drafter_settings(self.k)["k"] + 1
-                what = "draft.history.depth (or draft.k)"
-            elif self.kind == "hybrid":
-                most = max(self.k, self.history.depth or self.k) + 1
-                what = "the deeper of draft.k and draft.history.depth"
-            if self.collapse_threshold > most:
-                raise ConfigError("collapse_threshold", self.collapse_threshold,
-                                  f"above the longest possible acceptance ({what} + 1 = {most}),"
-                                  f" so the alarm would never clear", f"a number in [1, {most}]")
+    def __post_init__(self):
+        kinds.check_draft(self)
+
+
 
 
 def draft_headroom(draft: DraftSpec) -> int:
     """Cache slots a verify step needs beyond the committed tokens: the fed draft nodes + 1."""
-    if draft.kind == "none":
-        return 1
-    if draft.kind in ("history", "hybrid"):
-        return draft.history.budget + 1
-    return (draft.tree.budget if draft.tree is not None else draft.k) + 1
+    return kinds.KINDS[draft.kind].headroom(draft) + 1
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingSpec(_Section):
+@_section
+class SamplingSpec:
     """The rollout sampling distribution (traced at run time; changing it never recompiles).
     Defaults and range checks are `SamplingConfig`'s (its host-side `check_settings`)."""
 
-    temperature: float = _library_default("SamplingConfig", "temperature")  # 0 = greedy
-    top_k: int = _library_default("SamplingConfig", "top_k")  # 0 = off
-    top_p: float = _library_default("SamplingConfig", "top_p")  # 1.0 = off
+    temperature: float = _default(SamplingConfig, "temperature")  # 0 = greedy
+    top_k: int = _default(SamplingConfig, "top_k")  # 0 = off
+    top_p: float = _default(SamplingConfig, "top_p")  # 1.0 = off
 
-    def _validate(self):  # SamplingConfig's own checks, on the host values (no device work)
-        self._library_check(lambda: importlib.import_module("jaxspec.decoding.sampling")
-                            .check_settings(self.temperature, self.top_k, self.top_p))
+    def __post_init__(self):  # SamplingConfig's own checks, on the host values (no device)
+        check_settings(self.temperature, self.top_k, self.top_p)
 
-    def sampling_config(self):
+    def sampling_config(self) -> SamplingConfig:
         """The `SamplingConfig` (device scalars)."""
-        return _lib("SamplingConfig")(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
-@dataclasses.dataclass(frozen=True)
-class RolloutSpec(_Section):
-    prompts_per_step: int = _field(8, **_ge(1))
-    group_size: int = _field(8, **_ge(2))  # G samples per prompt
-    max_new_tokens: int = _field(8, **_ge(1))
-    max_prompt_len: int = _field(16, **_ge(1))  # prompt tokens (BOS included); longer: an error
+@_section
+class RolloutSpec:
+    """How a step's rollouts are generated and verified."""
+
+    prompts_per_step: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=2)  # G samples per prompt
+    max_new_tokens: int = Field(8, ge=1)
+    max_prompt_len: int = Field(16, ge=1)  # prompt tokens (BOS included); longer: an error
     method: str = "replay"  # verification rule: jaxspec.decoding.verify.METHODS
     # Rows decoded at once (continuous batching: a finished row's slot takes the next
     # rollout inside the loop; the first sample of every prompt starts first: see
     # rl.rollouts.leaders_first); null: all rollouts of the step at once (a static batch).
-    slots: Optional[int] = _field(None, **_ge(1))
+    slots: Optional[int] = Field(None, ge=1)
     # A completion that hit max_new_tokens without an EOS is unfinished: 'zero' gives it
     # reward 0 (NeMo RL's default), 'score' grades its text like a finished one.
     truncated_reward: Literal["zero", "score"] = "zero"
 
-    def _validate(self):
+    def __post_init__(self):
         methods = importlib.import_module("jaxspec.decoding.verify").METHODS
         if self.method not in methods:
             close = difflib.get_close_matches(self.method, list(methods), n=1)
@@ -611,43 +464,45 @@ class RolloutSpec(_Section):
                 "one of " + ", ".join(repr(m) for m in methods))
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimSpec(_Section):
+@_section
+class OptimSpec:
     """AdamW with global-norm clipping and linear warm-up."""
 
-    lr: float = _field(1e-3, **_gt(0))
-    weight_decay: float = _field(0.0, **_ge(0))
-    b1: float = _field(0.9, **_in_unit(False, True))
-    b2: float = _field(0.999, **_in_unit(False, True))
-    eps: float = _field(1e-8, **_gt(0))
-    clip_norm: Optional[float] = _field(1.0, **_gt(0))  # null = no clipping
-    warmup_steps: int = _field(0, **_ge(0))
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = _unit(0.9, False, True)
+    b2: float = _unit(0.999, False, True)
+    eps: float = Field(1e-8, gt=0)
+    clip_norm: Optional[float] = Field(1.0, gt=0)  # null = no clipping
+    warmup_steps: int = Field(0, ge=0)
 
 
-@dataclasses.dataclass(frozen=True)
-class WarmupSpec(_Section):
+
+
+@_section
+class WarmupSpec:
     """Supervised warm-up that turns the random tiny model into the 'base' policy."""
 
-    steps: int = _field(600, **_ge(0))
-    lr: float = _field(3e-3, **_gt(0))
-    batch_size: int = _field(64, **_ge(1))
-    draft_rollouts: int = _field(512, **_ge(1))  # policy rollouts for the in-domain draft init
-    draft_steps: int = _field(100, **_ge(0))  # offline draft steps (fresh EAGLE-3 heads only)
+    steps: int = Field(600, ge=0)
+    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(64, ge=1)
+    draft_rollouts: int = Field(512, ge=1)  # policy rollouts for the in-domain draft init
+    draft_steps: int = Field(100, ge=0)  # offline draft steps (fresh EAGLE-3 heads only)
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskSpec(_Section):
+@_section
+class TaskSpec:
     """A task from jaxspec.rl.tasks.TASKS, its constructor parameters, or a JSONL file."""
 
     name: str = "arithmetic"
-    params: dict[str, Any] = _field(factory=dict)  # {}: the task's own defaults
+    params: dict[str, Any] = Field(default_factory=dict)  # {}: the task's own defaults
     path: Optional[str] = None  # the JSONL file for name 'jsonl'
     # Prompts through the HF tokenizer's chat template (one user turn + the assistant
     # header): 'auto' when the tokenizer has one, true requires one, false sends raw text.
     # Built-in tasks use their own character tokenizer, which has none.
     chat_template: Union[bool, Literal["auto"]] = "auto"
 
-    def _validate(self):
+    def __post_init__(self):
         from jaxspec.rl import tasks
 
         if self.name not in tasks.TASKS:
@@ -684,59 +539,62 @@ class TaskSpec(_Section):
                               "'auto' or false (templates are for task 'jsonl' with an HF model)")
 
 
-@dataclasses.dataclass(frozen=True)
-class RunSpec(_Section):
-    dir: str = _field("runs/tiny", check=lambda v: bool(v.strip()),
-                      valid="a directory path (not empty; made if missing)")
-    steps: int = _field(40, **_ge(1))
+@_section
+class RunSpec:
+    """Where a run writes, how long it runs and what it does on trouble."""
+
+    dir: str = "runs/tiny"  # a directory path (not empty; made if missing)
+    steps: int = Field(40, ge=1)
     seed: int = 0
-    save_every: int = _field(10, **_ge(0))  # 0 = never
-    keep_checkpoints: int = _field(3, **_ge(1))
-    log_every: int = _field(1, **_ge(1))
+    save_every: int = Field(10, ge=0)  # 0 = never
+    keep_checkpoints: int = Field(3, ge=1)
+    log_every: int = Field(1, ge=1)
     resume: bool = False
-    compare_plain: int = _field(5, **_ge(0))  # also time plain generation every N steps; 0 = off
+    compare_plain: int = Field(5, ge=0)  # also time plain generation every N steps; 0 = off
     # a non-finite loss, gradient norm or parameter: the update is never applied; "stop"
     # ends the run (exit 3), "skip" goes on without it, at most max_nonfinite_skips in a row
     on_nonfinite: Literal["stop", "skip"] = "stop"
-    max_nonfinite_skips: int = _field(3, **_ge(1))
+    max_nonfinite_skips: int = Field(3, ge=1)
+
+    def __post_init__(self):
+        if not self.dir.strip():
+            raise ConfigError("dir", self.dir, "out of range",
+                              "a directory path (not empty; made if missing)")
 
 
-@dataclasses.dataclass(frozen=True)
-class AsyncSpec(_Section):
+@_section
+class AsyncSpec:
     """Generation and training on separate device groups, rollouts at most
     `max_policy_lag` policy versions old."""
 
     enabled: bool = False
-    max_policy_lag: int = _field(1, **_ge(0))
-    generation_devices: Optional[int] = _field(None, **_ge(1))  # null: half of the devices
-    training_devices: Optional[int] = _field(None, **_ge(1))  # null: the rest
+    max_policy_lag: int = Field(1, ge=0)
+    generation_devices: Optional[int] = Field(None, ge=1)  # null: half of the devices
+    training_devices: Optional[int] = Field(None, ge=1)  # null: the rest
 
-    def _validate(self):
+    def __post_init__(self):
         if self.enabled and self.max_policy_lag < 1:
             raise ConfigError("max_policy_lag", self.max_policy_lag,
                               "async mode overlaps generation with training", ">= 1")
 
 
-def _mesh_default(axis: str) -> int:
-    return inspect.signature(_parallel().make_mesh).parameters[axis].default
+_MESH_DEFAULTS = inspect.signature(parallel.make_mesh).parameters
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshSpec(_Section):
+@_section
+class MeshSpec:
     """Device mesh sizes (-1: all remaining devices; defaults those of `parallel.make_mesh`)
     and logical axis -> mesh axis rules: `parallel.DEFAULT_RULES`, with the entries given
     here replacing theirs."""
 
-    data: int = dataclasses.field(default_factory=lambda: _mesh_default("data"))
-    fsdp: int = dataclasses.field(default_factory=lambda: _mesh_default("fsdp"))
-    tensor: int = dataclasses.field(default_factory=lambda: _mesh_default("tensor"))
-    rules: dict[str, Optional[str | tuple[str, ...]]] = dataclasses.field(
-        default_factory=lambda: dict(_parallel().DEFAULT_RULES))
+    data: int = _MESH_DEFAULTS["data"].default
+    fsdp: int = _MESH_DEFAULTS["fsdp"].default
+    tensor: int = _MESH_DEFAULTS["tensor"].default
+    rules: dict[str, Optional[str | tuple[str, ...]]] = Field(
+        default_factory=lambda: dict(parallel.DEFAULT_RULES))
 
-    def _validate(self):
-        parallel = _parallel()
-        self._library_check(lambda: parallel.check_mesh_sizes(
-            {a: getattr(self, a) for a in parallel.MESH_AXES}))
+    def __post_init__(self):
+        parallel.check_mesh_sizes({a: getattr(self, a) for a in parallel.MESH_AXES})
         for logical, target in self.rules.items():
             try:
                 parallel.resolve_rules({logical: target})
@@ -746,26 +604,27 @@ class MeshSpec(_Section):
 
     def shards(self, logical: str) -> int:
         """Into how many parts the fixed mesh sizes split a logical axis (-1 axes count 1)."""
-        axes = _parallel().resolve_rules(self.rules)[logical] or ()
+        axes = parallel.resolve_rules(self.rules)[logical] or ()
         return math.prod(max(getattr(self, a), 1) for a in axes)
 
 
-@dataclasses.dataclass(frozen=True)
-class Config(_Section):
+@_section
+class Config:
     """A whole run. `Config()` is the embedded tiny default (configs/tiny.yaml)."""
 
-    model: ModelSpec = _field(factory=ModelSpec)
-    draft: DraftSpec = _field(factory=DraftSpec)
-    sampling: SamplingSpec = _field(factory=SamplingSpec)
-    rollout: RolloutSpec = _field(factory=RolloutSpec)
-    grpo: GRPOConfig = _field(factory=lambda: _lib("GRPOConfig")())  # noqa: F821 (lazy)
-    optim: OptimSpec = _field(factory=OptimSpec)
-    draft_optim: OptimSpec = _field(factory=lambda: OptimSpec(lr=3e-3, b2=0.95, clip_norm=0.5))
-    warmup: WarmupSpec = _field(factory=WarmupSpec)
-    task: TaskSpec = _field(factory=TaskSpec)
-    run: RunSpec = _field(factory=RunSpec)
-    async_: AsyncSpec = _field(factory=AsyncSpec, key="async")
-    mesh: MeshSpec = _field(factory=MeshSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    draft: DraftSpec = Field(default_factory=DraftSpec)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    draft_optim: OptimSpec = Field(
+        default_factory=lambda: OptimSpec(lr=3e-3, b2=0.95, clip_norm=0.5))
+    warmup: WarmupSpec = Field(default_factory=WarmupSpec)
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
+    async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async")
+    mesh: MeshSpec = Field(default_factory=MeshSpec)
 
     def tiny_vocab_size(self) -> int | None:
         """The tiny policy's vocabulary when it is known before the task is built."""
@@ -779,7 +638,7 @@ class Config(_Section):
 
         return tasks.CharTokenizer().vocab_size
 
-    def _validate(self):
+    def __post_init__(self):
         m, d = self.model, self.draft
         if m.hf_path is None and self.task.name == "jsonl":
             raise ConfigError("model.hf_path", None,
@@ -835,6 +694,9 @@ class Config(_Section):
                               "'token' or 'sequence' when async.enabled")
 
 
+_CONFIG = pydantic.TypeAdapter(Config)
+
+
 # ----------------------------------------------------------------------------- loading
 
 def _check_paths(cfg: Config) -> None:
@@ -881,8 +743,26 @@ def _apply_override(raw: dict, item: str) -> None:
 
 
 def from_dict(data: dict, *, check_paths: bool = False) -> Config:
-    """A Config from a plain nested mapping (the YAML layout)."""
-    cfg = _build(Config, data or {})
+    """A Config from a plain nested mapping (the YAML layout).
+
+    Args:
+        data: the sections as nested mappings, lists and scalars.
+        check_paths: also check that the local files the config names exist.
+
+    Returns:
+        The validated Config.
+
+    Raises:
+        ConfigError: the first bad entry, with its dotted key.
+    """
+    # As JSON, so that pydantic's strict mode takes mappings for dataclasses and lists for
+    # tuples (non-finite floats pass as Infinity / NaN and are refused by the schema; other
+    # YAML scalars, such as dates, as their text).
+    text = json.dumps(data or {}, allow_nan=True, default=str)
+    try:
+        cfg = _CONFIG.validate_json(text, strict=True)
+    except pydantic.ValidationError as e:
+        raise _config_error(e, Config) from None
     if check_paths:
         _check_paths(cfg)
     return cfg
@@ -890,8 +770,20 @@ def from_dict(data: dict, *, check_paths: bool = False) -> Config:
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = (),
                 *, check_paths: bool = True) -> Config:
-    """Config from a YAML file (None: the embedded tiny default) plus `a.b=c` overrides,
-    whose values are parsed as YAML scalars (`draft.tree=null`, `grpo.clip_c=3`)."""
+    """Config from a YAML file plus `a.b=c` overrides.
+
+    Args:
+        path: a YAML file; None: the embedded tiny default.
+        overrides: `key=value` items whose values are parsed as YAML scalars
+            (`draft.tree=null`, `grpo.clip_c=3`).
+        check_paths: also check that the local files the config names exist.
+
+    Returns:
+        The validated Config.
+
+    Raises:
+        ConfigError: the first bad entry, with its dotted key.
+    """
     raw: dict = {}
     if path is not None:
         if not os.path.isfile(path):
@@ -909,19 +801,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
     return from_dict(raw, check_paths=check_paths)
 
 
-def _plain(value):
-    if dataclasses.is_dataclass(value):
-        return {_yaml_key(f): _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def to_dict(cfg: Config) -> dict:
     """The resolved config as plain YAML-able data (the file layout; `from_dict` inverts it)."""
-    return _plain(cfg)
+    return _CONFIG.dump_python(cfg, mode="json", by_alias=True)
 
 
 def save(cfg: Config, path: str | os.PathLike) -> None:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.models import KVCache, Policy
 from jaxspec.models.hf import config_from_hf
+from jaxspec.errors import FieldError
 
 __all__ = [
     "DEFAULT_RULES",
@@ -118,10 +119,16 @@ def check_mesh_sizes(sizes: Mapping[str, int]) -> None:
     """Each mesh axis size an int >= 1 or -1 (the remaining devices), at most one -1."""
     for name, size in sizes.items():
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or (size < 1 and size != -1):
-            raise ValueError(f"mesh {name}={size!r}; valid: an int >= 1, or -1 for the remaining devices")
+            raise FieldError("mesh", name, size, "out of range",
+                             "an int >= 1, or -1 for the remaining devices",
+                             message=f"mesh {name}={size!r}; valid: an int >= 1, or -1 for the "
+                                     f"remaining devices")
     fill = [name for name, size in sizes.items() if size == -1]
     if len(fill) > 1:
-        raise ValueError(f"mesh sizes {dict(sizes)}: at most one axis may be -1; got -1 for {fill}")
+        raise FieldError("mesh", fill[-1], -1, f"at most one axis may be -1; got -1 for {fill}",
+                         "an int >= 1 (one axis only may be -1)",
+                         message=f"mesh sizes {dict(sizes)}: at most one axis may be -1; got -1 "
+                                 f"for {fill}")
 
 
 def split_devices(n_gen: int, n_train: int, devices=None) -> tuple[list, list]:

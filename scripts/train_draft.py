@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Offline (in-domain) EAGLE-3 or MTP training on the policy's own rollouts, then export.
+"""Offline (in-domain) training of a new draft head on the policy's own rollouts, then export.
 
     python scripts/train_draft.py configs/tiny.yaml run.dir=runs/draft warmup.draft_steps=300
     python scripts/train_draft.py configs/tiny.yaml run.dir=runs/mtp draft.kind=mtp \
@@ -9,16 +9,16 @@
 
 The policy is the config's (`model.hf_path`, or the tiny model after its supervised
 warm-up). It generates `warmup.draft_rollouts` rollouts on task prompts that the RL run
-never uses, the draft vocabulary is chosen from their token counts, and the head trains
-`warmup.draft_steps` steps with the training-time-test loss — the same update the RL step
-runs online, with the draft's own optimizer (`draft_optim`). Writes <run.dir>/policy (HF)
-and <run.dir>/eagle3 (vLLM/SGLang layout); point `draft.hf_path` of a GRPO run at the
-latter, or benchmark both with scripts/bench_rollout.py. With `draft.kind=mtp` the head is an
-MTP layer (the same mtp update the RL step runs online, no draft vocabulary) written to
-<run.dir>/mtp in `--mtp-layout` (default the DeepSeek-V3 one); a GRPO run with draft.kind mtp
-reads it through `draft.hf_path`. The config's own `draft.hf_path` is
-ignored (set to null): a GRPO config's pointer to a trained head, or its placeholder. Builds no GRPO trainer: the run
-plan, the device cluster, the (warmed-up) policy and the draft learner only.
+never uses and the head of `draft.kind` (`rl.kinds.HeadKind.init_offline`: kinds eagle3 and
+hybrid train an EAGLE-3 head, its draft vocabulary chosen from their token counts; kind mtp
+an MTP layer) trains `warmup.draft_steps` steps of the update the RL step runs online,
+with the draft's own optimizer (`draft_optim`). Writes <run.dir>/policy (HF) and the head
+to <run.dir>/<head name> in its serving layout (EAGLE-3: vLLM / SGLang; MTP:
+`--mtp-layout`, default DeepSeek-V3's); point `draft.hf_path` of a GRPO run at it, or
+benchmark it with scripts/bench_rollout.py. The config's own `draft.hf_path` is ignored
+(set to null): a GRPO config's pointer to a trained head, or its placeholder. Builds no
+GRPO trainer: the run plan, the device cluster, the (warmed-up) policy and the draft
+learner only.
 """
 
 from __future__ import annotations
@@ -30,23 +30,18 @@ import time
 
 def train_draft(cfg, plan, *, log=print):
     """(policy, head): the config's policy (warmed up when it is the tiny model) and a new
-    EAGLE-3 or MTP head (draft.kind) initialised in-domain on its rollouts."""
-    import jax
-
+    head of draft.kind initialised in-domain on its rollouts."""
     from jaxspec.rl.build import build_policy
     from jaxspec.rl.cluster import Cluster
     from jaxspec.rl.drafting import DraftLearner
+    from jaxspec.rl.kinds import KINDS
     from jaxspec.rl.steps import sampling_of
 
     cluster = Cluster.from_plan(cfg, plan)
     policy = build_policy(cfg, plan, cluster, resuming=False, log=log)
     sampling, filtered = sampling_of(cfg.sampling)
     learner = DraftLearner(cfg, plan, cluster, sampling, filtered=filtered, log=log)
-    if cfg.draft.kind == "mtp":
-        key = jax.random.fold_in(jax.random.key(cfg.run.seed), 1)  # the trainer's head key
-        head, _ = learner.init_mtp_head(policy, key)
-    else:
-        head, _ = learner.build_head(policy, resuming=False)
+    head, _ = KINDS[cfg.draft.kind].head.init_offline(learner, policy, cfg.run.seed)
     return policy, head
 
 
@@ -60,8 +55,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
 
     from jaxspec.config import ConfigError, load_config
-    from jaxspec.models.mtp import MTP_LAYOUTS, save_mtp
+    from jaxspec.models.mtp import MTP_LAYOUTS
     from jaxspec.rl.build import export_models
+    from jaxspec.rl.kinds import KINDS
     from jaxspec.rl.plan import prepare_run
 
     if args.mtp_layout not in MTP_LAYOUTS:
@@ -74,9 +70,11 @@ def main(argv=None) -> int:
         # head, or its placeholder) is ignored unless given on the command line.
         given = any(o.split("=", 1)[0].strip() == "draft.hf_path" for o in args.overrides)
         cfg = load_config(args.config, ["draft.hf_path=null", *args.overrides])
-        if cfg.draft.kind not in ("eagle3", "mtp"):
+        offline = [n for n, k in KINDS.items() if k.head and k.head.init_offline]
+        if cfg.draft.kind not in offline:
             raise ConfigError("draft.kind", cfg.draft.kind,
-                              "train_draft.py trains a new EAGLE-3 or MTP head", "eagle3, mtp")
+                              "train_draft.py trains a new draft head of its own kind",
+                              ", ".join(offline))
         if given and cfg.draft.hf_path is not None:
             raise ConfigError("draft.hf_path", cfg.draft.hf_path,
                               f"train_draft.py trains a new head and writes it to "
@@ -86,22 +84,20 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     policy, head = train_draft(cfg, plan)
-    mtp = cfg.draft.kind == "mtp"
-    export_models(cfg.run.dir, policy, None if mtp else head, source=cfg.model.hf_path,
+    export_models(cfg.run.dir, policy, source=cfg.model.hf_path,
                   tokenizer=plan.tokenizer if cfg.model.hf_path is None else None)
     out = f"{cfg.run.dir}/{_out_dir(cfg)}"
-    if mtp:
-        save_mtp(head, out, layout=args.mtp_layout,
-                 policy=policy if args.mtp_layout == "deepseek_v3" else None)
+    KINDS[cfg.draft.kind].head.save(head, out, policy=policy, layout=args.mtp_layout)
     print(f"draft trained in {time.perf_counter() - start:.1f}s -> {out} (policy in "
-          f"{cfg.run.dir}/policy); next: " + (f"a GRPO run with draft.kind=mtp draft.hf_path={out}"
-                                             if mtp else f"python scripts/bench_rollout.py --policy "
-                                             f"{cfg.run.dir}/policy --eagle3 {out}"))
+          f"{cfg.run.dir}/policy); next: a GRPO run with draft.kind={cfg.draft.kind} "
+          f"draft.hf_path={out}, or scripts/bench_rollout.py")
     return 0
 
 
 def _out_dir(cfg) -> str:
-    return "mtp" if cfg.draft.kind == "mtp" else "eagle3"
+    from jaxspec.rl.kinds import KINDS
+
+    return KINDS[cfg.draft.kind].head.name
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.protocols import DraftContext, DraftHead, Observation
 from jaxspec.decoding.sampling import process_logits, processed_logits
 from jaxspec.decoding.tree import Tree
+from jaxspec.errors import FieldError
 from jaxspec.kernels import CacheLayer, WithAncestors
 from jaxspec.models import KVCache, Policy
 
@@ -115,9 +116,12 @@ class NGramDrafter(_ModelFree):
     def __post_init__(self):
         _check_k(self.k)
         if not (isinstance(self.min_n, int) and isinstance(self.max_n, int) and 1 <= self.min_n <= self.max_n):
-            raise ValueError(
-                f"NGramDrafter needs 1 <= min_n <= max_n; got min_n={self.min_n!r}, max_n={self.max_n!r}"
-            )
+            text = f"needs 1 <= min_n <= max_n; got min_n={self.min_n!r}, max_n={self.max_n!r}"
+            max_bad = isinstance(self.min_n, int) and self.min_n >= 1 and not (
+                isinstance(self.max_n, int) and self.max_n >= 1)  # else min_n is the culprit
+            field = "max_n" if max_bad else "min_n"
+            raise FieldError("NGramDrafter", field, getattr(self, field), text,
+                             "1 <= min_n <= max_n", message=f"NGramDrafter {text}")
 
     num_nodes = property(lambda self: self.k)
     max_depth = property(lambda self: self.k)
@@ -232,13 +236,17 @@ class TreeSpec:
         for name in ("top_k", "depth", "budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TreeSpec.{name} must be an int >= 1; got {value!r}")
+                raise FieldError("TreeSpec", name, value, "must be an int >= 1", "an int >= 1",
+                                 message=f"TreeSpec.{name} must be an int >= 1; got {value!r}")
         pool = self.max_nodes(self.top_k, self.depth)
         if not self.depth <= self.budget <= pool:
-            raise ValueError(
-                f"TreeSpec.budget={self.budget} is invalid: it must be in [depth, nodes "
-                f"expanded] = [{self.depth}, {pool}] for top_k={self.top_k}, depth={self.depth}"
-            )
+            raise FieldError(
+                "TreeSpec", "budget", self.budget,
+                f"not in [depth, nodes expanded] for top_k={self.top_k}, depth={self.depth}",
+                f"[{self.depth}, {pool}]",
+                message=f"TreeSpec.budget={self.budget} is invalid: it must be in [depth, nodes "
+                        f"expanded] = [{self.depth}, {pool}] for top_k={self.top_k}, "
+                        f"depth={self.depth}")
 
     @staticmethod
     def max_nodes(top_k: int, depth: int) -> int:

@@ -42,6 +42,7 @@ import numpy as np
 from jaxspec.decoding.drafters import Eagle3Drafter, _ModelFree
 from jaxspec.decoding.protocols import DraftContext, Observation
 from jaxspec.decoding.tree import Tree
+from jaxspec.errors import FieldError
 
 __all__ = ["HistoryDrafter", "HistoryStore", "HybridDrafter", "prompt_key", "sibling_table"]
 
@@ -291,7 +292,8 @@ def _select(tokens, parents, depths, scores, present, budget: int, max_depth: in
 
 def _check_int(owner: str, name: str, value, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{owner}.{name} must be an int >= {low}; got {value!r}")
+        raise FieldError(owner, name, value, f"must be an int >= {low}", f"an int >= {low}",
+                         message=f"{owner}.{name} must be an int >= {low}; got {value!r}")
 
 
 # --------------------------------------------------------------------------- drafters
@@ -323,8 +325,10 @@ class HistoryDrafter(_ModelFree):
             _check_int(name, field, getattr(self, field), low)
         _check_int(name, "max_n", self.max_n, self.min_n)
         if self.budget < self.k:
-            raise ValueError(f"{name}.budget={self.budget} must be >= k={self.k} (a chain "
-                             f"of k drafts must fit)")
+            raise FieldError(name, "budget", self.budget,
+                             f"must be >= k={self.k} (a chain of k drafts must fit)",
+                             f">= {self.k}", message=f"{name}.budget={self.budget} must be >= "
+                             f"k={self.k} (a chain of k drafts must fit)")
 
     @classmethod
     def for_batch(cls, groups, *, store: HistoryStore | None = None, prompt_keys=None,

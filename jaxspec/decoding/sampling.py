@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.kernels.invariant import log_normalizer
+from jaxspec.errors import FieldError
 
 # Slot keys live in their own domain of the caller's key, so a drafter that folds small ints
 # into the same key (fold_in(key, round)) cannot land on a slot's noise by accident.
@@ -88,7 +89,8 @@ def _check_setting(name: str, value) -> None:
         "top_p": (finite and 0 < value <= 1, "in (0, 1] (1.0 means off)"),
     }[name]
     if not valid[0]:
-        raise ValueError(f"SamplingConfig.{name}={value!r} is invalid: it must be {valid[1]}")
+        raise FieldError("SamplingConfig", name, value, "out of range", valid[1],
+                         message=f"SamplingConfig.{name}={value!r} is invalid: it must be {valid[1]}")
 
 
 def process_logits(

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.kernels import BACKENDS
+from jaxspec.errors import FieldError
 
 FAMILIES = ("qwen3", "llama")
 DTYPES = ("float32", "bfloat16")
@@ -65,34 +66,48 @@ class ModelConfig:
             if value not in choices:
                 close = difflib.get_close_matches(str(value), choices, n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise ValueError(f"ModelConfig.{name}={value!r} is unknown{hint}; valid: one of "
-                                 + ", ".join(repr(c) for c in choices))
+                raise FieldError("ModelConfig", name, value, f"is unknown{hint}",
+                                 "one of " + ", ".join(repr(c) for c in choices),
+                                 message=f"ModelConfig.{name}={value!r} is unknown{hint}; valid: "
+                                 "one of " + ", ".join(repr(c) for c in choices))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name}={value!r}; must be a positive int")
+                raise FieldError("ModelConfig", name, value, "must be a positive int",
+                                 "an int >= 1", message=f"ModelConfig.{name}={value!r}; must be "
+                                 "a positive int")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"ModelConfig.{name}={value!r}; must be a finite number > 0")
+                raise FieldError("ModelConfig", name, value, "must be a finite number > 0",
+                                 "a finite number > 0", message=f"ModelConfig.{name}={value!r}; "
+                                 "must be a finite number > 0")
         if not isinstance(self.max_position_embeddings, int) or self.max_position_embeddings < 1:
-            raise ValueError(f"ModelConfig.max_position_embeddings={self.max_position_embeddings!r}"
-                             f"; must be a positive int")
+            raise FieldError("ModelConfig", "max_position_embeddings",
+                             self.max_position_embeddings, "must be a positive int", "an int >= 1",
+                             message=f"ModelConfig.max_position_embeddings="
+                             f"{self.max_position_embeddings!r}; must be a positive int")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide num_heads: "
-                f"num_heads={self.num_heads} is not a multiple of "
-                f"num_kv_heads={self.num_kv_heads} (GQA needs whole groups)"
-            )
+            problem = (f"must divide num_heads: num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads} (GQA needs whole groups)")
+            raise FieldError("ModelConfig", "num_kv_heads", self.num_kv_heads, problem,
+                             f"a divisor of num_heads={self.num_heads}",
+                             message=f"ModelConfig.num_kv_heads={self.num_kv_heads} {problem}")
         if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"ModelConfig.batch_invariant={self.batch_invariant!r}; must be true or false")
+            raise FieldError("ModelConfig", "batch_invariant", self.batch_invariant,
+                             "must be true or false", "true or false",
+                             message=f"ModelConfig.batch_invariant={self.batch_invariant!r}; "
+                             "must be true or false")
         if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+            raise FieldError("ModelConfig", "head_dim", self.head_dim, "must be even for RoPE",
+                             "an even int", message=f"ModelConfig.head_dim={self.head_dim} must "
+                             "be even for RoPE")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
-            raise ValueError(
-                f"ModelConfig.rope_scaling={self.rope_scaling!r}; valid: None or Llama3RopeScaling"
-            )
+            raise FieldError("ModelConfig", "rope_scaling", self.rope_scaling, "wrong type",
+                             "None or Llama3RopeScaling",
+                             message=f"ModelConfig.rope_scaling={self.rope_scaling!r}; valid: "
+                             "None or Llama3RopeScaling")
 
     @property
     def param_dtype(self):

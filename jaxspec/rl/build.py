@@ -79,14 +79,19 @@ def build_draft_model(cfg, plan, cluster, *, resuming: bool,
     return model
 
 
-def export_models(run_dir: str, policy: Policy, head=None, *, source: str | None = None,
+def export_models(run_dir: str, policy: Policy, *, source: str | None = None,
                   tokenizer=None) -> None:
-    """The policy to <run_dir>/policy (HF safetensors) and an EAGLE-3 head to
-    <run_dir>/eagle3 (the vLLM / SGLang layout). The policy directory is servable as it is:
-    the tokenizer files, generation_config.json and special ids of `source` (the run's
-    model.hf_path), or of the built-in character `tokenizer` when there is no source."""
+    """The policy to <run_dir>/policy (HF safetensors), servable as it is. A draft head is
+    saved by its kind (`rl.kinds.HeadKind.save`).
+
+    Args:
+        run_dir: the run's directory.
+        policy: the trained policy (host arrays).
+        source: the run's model.hf_path, whose tokenizer files, generation_config.json and
+            special ids are copied; None: the tiny model's.
+        tokenizer: the built-in character tokenizer, written when there is no source.
+    """
     from jaxspec.models import save_hf
-    from jaxspec.models.eagle3 import save_eagle3
     from jaxspec.models.hf import SpecialTokens, save_char_tokenizer
 
     out = os.path.join(run_dir, "policy")
@@ -99,5 +104,3 @@ def export_models(run_dir: str, policy: Policy, head=None, *, source: str | None
                             max_length=policy.config.max_position_embeddings)
         special = SpecialTokens(tokenizer.bos_id, (tokenizer.eos_id,), tokenizer.pad_id)
     save_hf(policy, out, source=source, special=special)
-    if head is not None:
-        save_eagle3(head, os.path.join(run_dir, "eagle3"))

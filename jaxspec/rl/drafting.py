@@ -16,16 +16,18 @@ from jaxspec.rl import faults
 from jaxspec.rl.draft import DraftLossConfig
 from jaxspec.rl.rollouts import encode_prompts
 from jaxspec.models.mtp import MTPHead, load_mtp
-from jaxspec.rl.steps import draft_update, make_optimizer, mtp_update
+from jaxspec.rl.kinds import KINDS
+from jaxspec.rl.steps import make_optimizer
 from jaxspec.rl.warmup import draft_corpus, init_eagle3_head
 
 __all__ = ["DraftLearner"]
 
 
 class DraftLearner:
-    """Trains an EAGLE-3 head on the policy's features with the TTT loss and its own
-    optimizer (`draft_optim`): offline from the policy's own rollouts (`init_head`) and
-    online on each RL step's logprob stage (`update`), one compiled update for both."""
+    """Trains the draft kind's head (EAGLE-3 or MTP) on the policy's features with the TTT
+    loss and its own optimizer (`draft_optim`): offline from the policy's own rollouts
+    (`init_head`, `init_mtp_head`) and online on each RL step's logprob stage (`update`),
+    one compiled update for both."""
 
     def __init__(self, cfg, plan, cluster, sampling: SamplingConfig, *, filtered: bool,
                  log: Callable[[str], None] | None = None):
@@ -42,13 +44,20 @@ class DraftLearner:
         return self.optimizer.init(head.params)
 
     def update(self, head, opt_state, policy, scored: dict):
-        """One online update from score_rollouts' output (capture on); run it inside
-        `cluster.training()`. Returns (head, opt_state, metrics)."""
-        if isinstance(head, MTPHead):
-            return mtp_update(head, opt_state, policy, scored, optimizer=self.optimizer,
-                              loss_cfg=self.loss_cfg)
-        return draft_update(head, opt_state, policy, scored, optimizer=self.optimizer,
-                            loss_cfg=self.loss_cfg)
+        """One update of the draft kind's head (`HeadKind.update`); run it inside
+        `cluster.training()`.
+
+        Args:
+            head: the head being trained (EAGLE-3 or MTP, as the kind says).
+            opt_state: its optimizer state.
+            policy: the policy whose features it learns from.
+            scored: `rl.steps.score_rollouts`' output, with the captured layers.
+
+        Returns:
+            (head, opt_state, metrics) after the update.
+        """
+        return KINDS[self.cfg.draft.kind].head.update(
+            head, opt_state, policy, scored, optimizer=self.optimizer, loss_cfg=self.loss_cfg)
 
     def build_mtp_head(self, policy, *, resuming: bool):
         """The MTP head of draft.kind mtp: loaded from draft.hf_path (any of the layouts

@@ -16,6 +16,8 @@ from typing import Callable, Literal, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxspec.errors import FieldError
+
 __all__ = ["ADVANTAGES", "GRPOConfig", "LOSSES", "group_advantages", "grpo_loss", "k3_kl",
            "register_advantage", "register_loss"]
 
@@ -61,14 +63,18 @@ class GRPOConfig:
             if value not in registry:
                 close = difflib.get_close_matches(str(value), list(registry), n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise ValueError(f"GRPOConfig.{name}={value!r} is unknown{hint}; valid: one of "
-                                 + ", ".join(repr(n) for n in registry))
+                valid = "one of " + ", ".join(repr(n) for n in registry)
+                raise FieldError("GRPOConfig", name, value, f"is unknown{hint}", valid,
+                                 message=f"GRPOConfig.{name}={value!r} is unknown{hint}; "
+                                 f"valid: {valid}")
         for name, choices in (("loss_agg", ("token", "sequence")),
                               ("tis", ("none", "token", "sequence")),
                               ("reuse_on_mismatch", ("error", "recompute"))):
             if getattr(self, name) not in choices:
-                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}; valid: one of "
-                                 + ", ".join(repr(c) for c in choices))
+                valid = "one of " + ", ".join(repr(c) for c in choices)
+                raise FieldError("GRPOConfig", name, getattr(self, name), "not a valid choice",
+                                 valid, message=f"GRPOConfig.{name}={getattr(self, name)!r}; "
+                                 f"valid: {valid}")
         ranges = {
             "eps_low": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
             "eps_high": (lambda v: v >= 0, ">= 0"),
@@ -82,22 +88,30 @@ class GRPOConfig:
             number = value is None or (isinstance(value, (int, float))
                                        and not isinstance(value, bool) and math.isfinite(value))
             if not number or not ok(value):
-                raise ValueError(f"GRPOConfig.{name}={value!r} is out of range; valid: {valid}")
+                raise FieldError("GRPOConfig", name, value, "is out of range", valid,
+                                 message=f"GRPOConfig.{name}={value!r} is out of range; valid: "
+                                 f"{valid}")
         if not isinstance(self.minibatches, int) or self.minibatches < 1:
-            raise ValueError(f"GRPOConfig.minibatches={self.minibatches!r} is out of range; "
-                             f"valid: an int >= 1")
+            raise FieldError("GRPOConfig", "minibatches", self.minibatches, "is out of range",
+                             "an int >= 1", message=f"GRPOConfig.minibatches="
+                             f"{self.minibatches!r} is out of range; valid: an int >= 1")
         if not isinstance(self.reuse_generation_logprobs, bool):
-            raise ValueError(f"GRPOConfig.reuse_generation_logprobs="
+            raise FieldError("GRPOConfig", "reuse_generation_logprobs",
+                             self.reuse_generation_logprobs, "wrong type", "true or false",
+                             message=f"GRPOConfig.reuse_generation_logprobs="
                              f"{self.reuse_generation_logprobs!r}; valid: true or false")
         if (not isinstance(self.reuse_check_rows, int) or isinstance(self.reuse_check_rows, bool)
                 or self.reuse_check_rows < 1):
-            raise ValueError(f"GRPOConfig.reuse_check_rows={self.reuse_check_rows!r} is out of "
-                             f"range; valid: an int >= 1 (the check is never skipped)")
+            valid = "an int >= 1 (the check is never skipped)"
+            raise FieldError("GRPOConfig", "reuse_check_rows", self.reuse_check_rows,
+                             "is out of range", valid, message=f"GRPOConfig.reuse_check_rows="
+                             f"{self.reuse_check_rows!r} is out of range; valid: {valid}")
         for name in ("logprob_chunk", "micro_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"GRPOConfig.{name}={value!r} is out of range; valid: an int "
-                                 f">= 0 (0: off)")
+                raise FieldError("GRPOConfig", name, value, "is out of range",
+                                 "an int >= 0 (0: off)", message=f"GRPOConfig.{name}={value!r} "
+                                 "is out of range; valid: an int >= 0 (0: off)")
 
 
 # ----------------------------------------------------------------------------- advantages

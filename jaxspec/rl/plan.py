@@ -20,11 +20,13 @@ from jaxspec.decoding import drafters as drafters_lib
 from jaxspec.kernels import resolve_backend
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.rl import tasks as tasks_lib
+from jaxspec.rl.kinds import KINDS
 from jaxspec.rl.cluster import mesh_sizes
 from jaxspec.rl.faults import RunDirError, check_run_dir
 from jaxspec.rl.tokenizer import HFTokenizer
 
-__all__ = ["HFTokenizer", "RunPlan", "checkpoint_bytes", "prepare_run"]
+__all__ = ["HFTokenizer", "RunPlan", "checkpoint_bytes", "inspect_head", "inspect_mtp",
+           "prepare_run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +59,16 @@ def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
                           "*.safetensors") from None
 
 
-def _inspect_mtp(path: str, model_config: ModelConfig) -> None:
-    """The MTP layer of the HF checkpoint in `path` (config.json) checked against the policy."""
+def inspect_mtp(path: str, model_config: ModelConfig) -> None:
+    """The MTP layer of the HF checkpoint in `path` (config.json) checked against the policy.
+
+    Args:
+        path: draft.hf_path, a local HF checkpoint with an MTP layer.
+        model_config: the policy's.
+
+    Raises:
+        ConfigError: on draft.hf_path, when the layer is unreadable or not the policy's.
+    """
     from jaxspec.models.mtp import inspect_mtp
 
     try:
@@ -74,10 +84,25 @@ def _inspect_mtp(path: str, model_config: ModelConfig) -> None:
                           "an MTP layer made for this policy")
 
 
-def _inspect_head(path: str, model_config: ModelConfig, dtype: str):
-    """The EAGLE-3 head in `path` checked against the policy (config.json, safetensors
-    headers, shapes, captured layers; no weights read): its Eagle3Config, or one ConfigError."""
+def inspect_head(d, model_config: ModelConfig, dtype: str):
+    """The EAGLE-3 head in draft.hf_path checked against the policy and the `draft:`
+    section `d` (config.json, safetensors headers, shapes, captured layers; no weights read).
+
+    Args:
+        d: the `draft:` section (config.DraftSpec), its hf_path set.
+        model_config: the policy's.
+        dtype: model.dtype, the head's parameter dtype.
+
+    Returns:
+        The head's Eagle3Config.
+
+    Raises:
+        ConfigError: the first mismatch, on draft.hf_path, draft.draft_vocab_size or
+            draft.layers.
+    """
     from jaxspec.models.eagle3 import inspect_eagle3
+
+    path = d.hf_path
 
     def bad(problem, valid="an EAGLE-3 head trained for this policy (config.json with "
                            "draft_vocab_size, complete *.safetensors)"):
@@ -100,6 +125,14 @@ def _inspect_head(path: str, model_config: ModelConfig, dtype: str):
                   f"{[i + 1 for i in layers]}): outside the policy's {model_config.num_layers} "
                   f"layers", f"layer outputs in [0, {model_config.num_layers - 1}]: a head "
                   f"trained for this policy")
+    if d.draft_vocab_size is not None and d.draft_vocab_size != head.draft_vocab_size:
+        raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
+                          f"the head in draft.hf_path has {head.draft_vocab_size}",
+                          f"null or {head.draft_vocab_size}")
+    if d.layers is not None and tuple(d.layers) != head.capture_layers:
+        raise ConfigError("draft.layers", list(d.layers),
+                          f"the head in draft.hf_path was trained on layer outputs "
+                          f"{list(head.capture_layers)}", f"null or {list(head.capture_layers)}")
     return head
 
 
@@ -168,8 +201,20 @@ def _saved_steps(directory: str) -> list[int]:
 
 def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     """Every check a user's input can fail, on the host, before any compilation: the task
-    and its data, the tokenizer, prompt lengths against the cache, the draft against the
-    policy, the device split, and the checkpoint to resume from. Raises one ConfigError."""
+    and its data, the tokenizer, prompt lengths against the cache (with the draft kind's
+    headroom), the draft against the policy (the kind's head or draft model on disk), the
+    device split, and the checkpoint to resume from.
+
+    Args:
+        cfg: the run's validated config.
+        devices: the devices to run on; None: all of them.
+
+    Returns:
+        The RunPlan the trainer builds from.
+
+    Raises:
+        ConfigError: the first problem found, with its dotted key.
+    """
     d, r = cfg.draft, cfg.rollout
     changes = _resume_changes(cfg) if cfg.run.resume else {}  # before orbax is touched
     try:  # a named attention kernel this platform cannot run
@@ -233,28 +278,18 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     if d.draft_vocab_size is not None and d.draft_vocab_size > vocab:
         raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
                           f"larger than the policy's vocabulary ({vocab})", f"<= {vocab}")
+    kind = KINDS[d.kind]
     draft_vocab = vocab  # the drafter's vocabulary (a tree expands top_k of it per node)
-    if d.kind in ("eagle3", "hybrid"):
+    if kind.head is not None and kind.head.draft_vocab:
         draft_vocab = d.draft_vocab_size or vocab
-    if d.kind == "mtp" and d.hf_path is not None:
-        _inspect_mtp(d.hf_path, model_config)
-    if d.kind in ("eagle3", "hybrid") and d.hf_path is not None:
-        head = _inspect_head(d.hf_path, model_config, cfg.model.dtype)
-        if d.draft_vocab_size is not None and d.draft_vocab_size != head.draft_vocab_size:
-            raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
-                              f"the head in draft.hf_path has {head.draft_vocab_size}",
-                              f"null or {head.draft_vocab_size}")
-        draft_vocab = head.draft_vocab_size
-        if d.layers is not None and tuple(d.layers) != head.capture_layers:
-            raise ConfigError("draft.layers", list(d.layers),
-                              f"the head in draft.hf_path was trained on layer outputs "
-                              f"{list(head.capture_layers)}", f"null or {list(head.capture_layers)}")
+    if kind.head is not None and d.hf_path is not None:
+        draft_vocab = kind.head.inspect(d, model_config, cfg.model.dtype) or draft_vocab
     if tree is not None and tree.top_k > draft_vocab:
         raise ConfigError("draft.tree.top_k", tree.top_k,
                           f"larger than the draft vocabulary ({draft_vocab} tokens): a node has "
                           f"at most {draft_vocab} children", f"<= {draft_vocab}")
     draft_model_config = None
-    if d.kind == "draft_model":
+    if kind.draft_model:
         if d.hf_path is not None:
             small = _inspect_hf("draft.hf_path", d.hf_path, cfg.model.dtype,
                                 cfg.model.attention_backend)

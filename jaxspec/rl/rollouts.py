@@ -18,6 +18,7 @@ from jaxspec.decoding.engine import RolloutStats
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.metrics import StageTimer
 from jaxspec.rl.cluster import Cluster
+from jaxspec.rl.kinds import KINDS
 from jaxspec.rl.state import RunState
 
 __all__ = ["RolloutBatch", "RolloutWorker", "abstract_batch", "completions_ended",
@@ -119,30 +120,22 @@ def score_completions(
 
 def make_drafter(draft_cfg, tree, head=None, draft_model=None, *, history=None, groups=None,
                  prompt_keys=None):
-    """The drafter of `draft.kind` over the given (generation-side) head or draft model;
-    `NoDrafter` (the empty tree) for plain decoding. Kinds history and hybrid also take the
-    HistoryStore, each row's group id ([B], rows of one prompt share one) and prompt key
-    ([B] `history.prompt_key`); without groups, a one-row drafter (for its static sizes)."""
-    d = draft_cfg
-    if d.kind in ("history", "hybrid"):
-        drafter = history_lib.HistoryDrafter.for_batch(
-            [0] if groups is None else groups, store=history,
-            prompt_keys=None if groups is None else prompt_keys,
-            **d.history.drafter_settings(d.k))
-        if d.kind == "history":
-            return drafter
-        chain = drafters_lib.Eagle3Drafter(head, k=d.k, coupled=d.coupled)
-        return history_lib.HybridDrafter(drafter, chain, budget=d.history.budget,
-                                         gate=d.history.gate_head)
-    if d.kind == "eagle3":
-        return drafters_lib.Eagle3Drafter(head, k=d.k, tree=tree, coupled=d.coupled)
-    if d.kind == "mtp":
-        return drafters_lib.MTPDrafter(head, k=d.k, tree=tree, coupled=d.coupled)
-    if d.kind == "draft_model":
-        return drafters_lib.DraftModelDrafter(draft_model, k=d.k, coupled=d.coupled)
-    if d.kind == "ngram":
-        return drafters_lib.NGramDrafter(k=d.k, min_n=d.ngram.min_n, max_n=d.ngram.max_n)
-    return drafters_lib.NoDrafter()
+    """The drafter of `draft.kind` (its `rl.kinds.DraftKind.make_drafter`) for one generate
+    call; `NoDrafter` (the empty tree) for plain decoding.
+
+    Args:
+        draft_cfg: the `draft:` section.
+        tree: the run plan's TreeSpec, or None for chains.
+        head: the generation-side draft head of kinds with one.
+        draft_model: the generation-side draft model of kind draft_model.
+        history: the HistoryStore of kinds that keep one.
+        groups: [B] each row's group id (rows of one prompt share one); None: a one-row
+            drafter (for its static sizes).
+        prompt_keys: [B] each row's `history.prompt_key`.
+    """
+    return KINDS[draft_cfg.kind].make_drafter(
+        draft_cfg, tree, head=head, draft_model=draft_model, history=history, groups=groups,
+        prompt_keys=prompt_keys)
 
 
 def prompt_keys(prompts, lengths) -> np.ndarray:  # [B, P], [B] -> [B] int64

@@ -50,12 +50,12 @@ from jaxspec.decoding.history import HistoryStore
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary, scalar_metrics
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
-from jaxspec.models.mtp import save_mtp
 from jaxspec.rl.build import build_draft_model, build_policy, export_models
 from jaxspec.rl.cluster import Cluster, host_arrays, is_primary
 from jaxspec.rl.drafting import DraftLearner
 from jaxspec.rl.faults import Diverged, Preempted, SaveFailed, StopSignals, all_finite
 from jaxspec.rl.grpo import group_advantages
+from jaxspec.rl.kinds import KINDS
 from jaxspec.rl.metrics import collapse_alarm, step_metrics
 from jaxspec.rl.plan import (
     HFTokenizer,
@@ -157,7 +157,8 @@ class GRPOTrainer:
         self.optimizer = make_optimizer(cfg.optim)
         self.draft = DraftLearner(cfg, plan, self.cluster, self.sampling,
                                   filtered=self.filtered, log=self.log)
-        self.trains_draft = cfg.draft.kind in ("eagle3", "hybrid", "mtp") and cfg.draft.online
+        self.kind = KINDS[cfg.draft.kind]
+        self.trains_draft = self.kind.head is not None and cfg.draft.online
         if cfg.grpo.reuse_generation_logprobs and cfg.async_.enabled:
             raise ConfigError("grpo.reuse_generation_logprobs", True,
                               "async rollouts come from older params than the old policy",
@@ -185,16 +186,13 @@ class GRPOTrainer:
             policy = build_policy(cfg, plan, self.cluster, resuming=resuming, log=self.log,
                                   history=history)
         ref_params = _copy(policy.params) if cfg.grpo.kl_coef > 0 else None
-        kind, draft_opt_init = cfg.draft.kind, None
-        if kind == "mtp":
-            if head is None:
-                head, draft_opt_init = self.draft.build_mtp_head(policy, resuming=resuming)
-        elif kind not in ("eagle3", "hybrid"):
+        kind, draft_opt_init = self.kind, None
+        if kind.head is None:
             head = None
         elif head is None:
-            head, draft_opt_init = self.draft.build_head(policy, resuming=resuming,
-                                                         ref_params=ref_params, history=history)
-        if kind != "draft_model":
+            head, draft_opt_init = kind.head.build(self.draft, policy, resuming=resuming,
+                                                   ref_params=ref_params, history=history)
+        if not kind.draft_model:
             draft_model = None
         elif draft_model is None:
             draft_model = build_draft_model(cfg, plan, self.cluster, resuming=resuming,
@@ -212,7 +210,7 @@ class GRPOTrainer:
         # the reference is checkpointed unless it is the model.hf_path on disk, untouched
         ref_saved = cfg.model.hf_path is None or cfg.warmup.steps > 0
         history = None
-        if kind in ("history", "hybrid"):  # restored from the checkpoint when resuming
+        if kind.history:  # restored from the checkpoint when resuming
             h, r = cfg.draft.history, cfg.rollout
             history = HistoryStore.empty(h.prompts, h.per_prompt,
                                          r.max_prompt_len + r.max_new_tokens)
@@ -350,7 +348,7 @@ class GRPOTrainer:
                            step=done + 1, metrics=m)
         s.skipped_steps = 0
         s.completed += 1
-        if cfg.draft.kind != "none":
+        if self.kind.deepest is not None:  # the kind drafts
             s.collapsed_steps, warning = collapse_alarm(
                 m["acceptance_length"], s.collapsed_steps,
                 threshold=cfg.draft.collapse_threshold, patience=cfg.draft.collapse_patience)
@@ -516,10 +514,11 @@ class GRPOTrainer:
     def export(self) -> None:
         """The trained policy to <run.dir>/policy (HF safetensors with the tokenizer files,
         generation_config.json and special ids: `AutoTokenizer` and a server use it as it is)
-        and an MTP head to <run.dir>/mtp (the DeepSeek-V3 layout: `draft.hf_path` reads it back)
-        and an EAGLE-3 head to <run.dir>/eagle3 (the vLLM / SGLang layout, the captured layers
-        in both servers' fields), for serving or scripts/bench_rollout.py. Multi-process:
-        every process gathers the models, process 0 writes them."""
+        and the draft kind's head to <run.dir>/<head name> in its serving layout
+        (`HeadKind.save`: an MTP head in the DeepSeek-V3 layout, which `draft.hf_path` reads
+        back; an EAGLE-3 head in the vLLM / SGLang layout), for serving or
+        scripts/bench_rollout.py. Multi-process: every process gathers the models, process 0
+        writes them."""
         finite, bad = all_finite([self.policy, self.head])
         if not finite:
             raise Diverged(f"the models at step {self.completed} hold {bad} non-finite "
@@ -528,12 +527,11 @@ class GRPOTrainer:
         if not is_primary():
             return
         try:
-            if self.cfg.draft.kind == "mtp":  # the DeepSeek-V3 layout, beside the policy
-                save_mtp(head, os.path.join(self.cfg.run.dir, "mtp"), policy=policy)
-            head = None if self.cfg.draft.kind == "mtp" else head  # EAGLE-3 (or None)
-            export_models(self.cfg.run.dir, policy, head,
-                          source=self.cfg.model.hf_path,
+            export_models(self.cfg.run.dir, policy, source=self.cfg.model.hf_path,
                           tokenizer=self.tokenizer if self.cfg.model.hf_path is None else None)
+            if head is not None:  # in its serving layout, beside the policy
+                self.kind.head.save(head, os.path.join(self.cfg.run.dir, self.kind.head.name),
+                                    policy=policy)
         except OSError as e:
             raise SaveFailed(f"the models of step {self.completed}", self.cfg.run.dir, e,
                              self.saved_step) from e
