@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import os
@@ -55,6 +56,7 @@ __all__ = [
     "SamplingSpec",
     "TaskSpec",
     "TreeSpec",
+    "WandbSpec",
     "WarmupSpec",
     "draft_headroom",
     "from_dict",
@@ -685,6 +687,22 @@ class TaskSpec(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbSpec(_Section):
+    """Weights & Biases logging: metrics.jsonl's rows and the resolved config, process 0
+    (`pip install 'jaxspec[wandb]'`)."""
+
+    project: str = _field("jaxspec", check=lambda v: bool(v.strip()), valid="a W&B project")
+    name: Optional[str] = None  # the W&B run's name; null: run.dir's last part
+    mode: Literal["online", "offline"] = "online"  # offline: <run.dir>/wandb, `wandb sync` it
+    entity: Optional[str] = None  # a W&B team or user; null: the login's default
+
+    def _validate(self):
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("", dataclasses.asdict(self), "the wandb package is not installed",
+                              "pip install 'jaxspec[wandb]', or run.wandb: null (no W&B)")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSpec(_Section):
     dir: str = _field("runs/tiny", check=lambda v: bool(v.strip()),
                       valid="a directory path (not empty; made if missing)")
@@ -699,6 +717,7 @@ class RunSpec(_Section):
     # ends the run (exit 3), "skip" goes on without it, at most max_nonfinite_skips in a row
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_skips: int = _field(3, **_ge(1))
+    wandb: Optional[WandbSpec] = None  # W&B logging, e.g. {project: p, mode: offline}; null: off
 
 
 @dataclasses.dataclass(frozen=True)

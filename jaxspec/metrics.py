@@ -1,4 +1,4 @@
-"""Stage timers, metric sinks (JSONL, TensorBoard) and the one-line-per-step progress text.
+"""Stage timers, metric sinks (JSONL, TensorBoard, Weights & Biases) and the progress text.
 
 Key names shared with the trainer and scripts/report.py: `step`, `reward`,
 `acceptance_length`, `time/<stage>` (seconds), `share/<stage>` (fraction of the step),
@@ -22,6 +22,7 @@ __all__ = [
     "Console",
     "MetricsWriter",
     "StageTimer",
+    "WandbSink",
     "fit_lines",
     "format_step_line",
     "read_metrics",
@@ -118,17 +119,86 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: _to_python(v) for k, v in metrics.items()}
 
 
+def _scalars(row: dict[str, Any]) -> dict[str, int | float]:
+    """The numeric entries of a written row but `step` (what TensorBoard and W&B plot)."""
+    return {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+            and not isinstance(v, bool)}
+
+
+class WandbSink:
+    """A Weights & Biases run fed the rows MetricsWriter writes: each row's numbers under
+    the same names, at its step, and the run's config. Files go under <run_dir>/wandb (with
+    mode "offline" only there; `wandb sync` uploads them later). The run's id is kept in
+    <run_dir>/wandb_run_id, so a resumed run (`resume=True`) continues the same W&B run
+    (W&B drops re-logged steps at or below its last one).
+
+    Open it on process 0 only (the trainer does); `wandb.init`'s failure (no login, no
+    network) is a ConfigError naming run.wandb, raised before the run computes anything."""
+
+    ID_FILE = "wandb_run_id"
+
+    def __init__(self, run_dir: str | os.PathLike, *, project: str, name: str | None = None,
+                 mode: str = "online", entity: str | None = None,
+                 config: dict[str, Any] | None = None, resume: bool = False):
+        import wandb
+
+        from jaxspec.config import ConfigError
+
+        run_dir = os.fspath(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        id_path = os.path.join(run_dir, self.ID_FILE)
+        run_id = None
+        if resume and os.path.isfile(id_path):
+            with open(id_path) as fh:
+                run_id = fh.read().strip() or None
+        try:
+            self.run = wandb.init(
+                project=project, entity=entity, mode=mode, dir=run_dir, config=config,
+                name=name or os.path.basename(os.path.abspath(run_dir)), id=run_id,
+                resume="allow" if run_id else None)
+        except wandb.errors.Error as e:
+            raise ConfigError("run.wandb.mode", mode, f"W&B could not start a run ({e})",
+                              "`wandb login` (or WANDB_API_KEY) for online, or "
+                              "run.wandb.mode=offline") from None
+        with open(id_path, "w") as fh:
+            fh.write(self.run.id + "\n")
+
+    @classmethod
+    def for_run(cls, cfg, *, resume: bool = False) -> "WandbSink | None":
+        """The sink of a `Config`'s run.wandb (None when it is off), logging the resolved
+        config."""
+        from jaxspec.config import to_dict
+
+        w = cfg.run.wandb
+        if w is None:
+            return None
+        return cls(cfg.run.dir, project=w.project, name=w.name, mode=w.mode, entity=w.entity,
+                   config=to_dict(cfg), resume=resume)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """A MetricsWriter row ({"step": s, name: value, ...}): its numbers at step s."""
+        self.run.log(_scalars(row), step=int(row["step"]))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
 class MetricsWriter:
     """One JSON object per step appended to <run_dir>/metrics.jsonl, and the scalar ones to
-    TensorBoard (<run_dir>/tb) when tensorboardX is installed.
+    TensorBoard (<run_dir>/tb) when tensorboardX is installed and to `wandb` (a WandbSink,
+    closed with the writer) when given.
 
     `resume_step`: the step a resumed run restarts after; lines of later steps (written
     before the run stopped, after its last checkpoint) are dropped, so the file ends up as
     if the run had never stopped."""
 
     def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None,
-                 tensorboard: bool = True, log: Callable[[str], None] | None = None):
+                 tensorboard: bool = True, log: Callable[[str], None] | None = None,
+                 wandb: WandbSink | None = None):
         self.run_dir = os.fspath(run_dir)
+        self._wandb = wandb
         self._log = log or _log.warning
         os.makedirs(self.run_dir, exist_ok=True)
         self.path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -167,16 +237,20 @@ class MetricsWriter:
         with open(self.path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, int(step))
+            for k, v in _scalars(row).items():
+                self._tb.add_scalar(k, v, int(step))
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.write(row)
         return row
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self):
         return self

@@ -48,6 +48,7 @@ from jaxspec.config import Config, ConfigError
 from jaxspec.config import save as save_config
 from jaxspec.decoding.history import HistoryStore
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary, scalar_metrics
+from jaxspec.metrics import WandbSink
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.mtp import save_mtp
@@ -146,6 +147,9 @@ class GRPOTrainer:
         self._custom_log = log is not None
         self.log = log or _log.info
         self.plan = plan = prepare_run(cfg, devices=devices)  # host checks only
+        # run.wandb's run, process 0, before the warm-up: a failing W&B login costs nothing
+        self._wandb = WandbSink.for_run(cfg, resume=plan.resume_step is not None) \
+            if is_primary() else None
         self.task, self.tokenizer = plan.task, plan.tokenizer
         self.sampling, self.filtered = sampling_of(cfg.sampling)
         self.lag = cfg.async_.max_policy_lag if cfg.async_.enabled else 0
@@ -445,8 +449,9 @@ class GRPOTrainer:
         self.log(f"generation compiled ({time.perf_counter() - start:.1f}s)")
         resume = self.completed if self.plan.resume_step is not None else None
         try:
-            writer = (MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn)
-                      if is_primary() else _RowsOnly())
+            writer = (MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn,
+                                    wandb=self._wandb) if is_primary() else _RowsOnly())
+            self._wandb = None  # the writer closes it
             row = self._loop(writer, stop, on_step)
         except OSError as e:  # metrics.jsonl or tb/ cannot be written
             raise SaveFailed("the metrics", e.filename or cfg.run.dir, e,
