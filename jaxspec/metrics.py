@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -21,6 +22,7 @@ import numpy as np
 __all__ = [
     "Console",
     "MetricsWriter",
+    "Progress",
     "StageTimer",
     "WandbSink",
     "fit_lines",
@@ -379,6 +381,80 @@ class Console:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Progress:
+    """Progress lines of a long stretch outside the GRPO steps (warm-up, draft init, a
+    compile), so that a slow machine is told from a hang.
+
+    `update(done)` logs '<what>: <unit> <done>/<total>[, <detail>] (<seconds>s)' when
+    `every` seconds have passed since the last line, and always on the last; `line(text)`
+    logs '<what>: <text>' at once (a phase starting, e.g. a compile). Used as a context
+    manager, a watchdog thread also logs '<what>: <news>, still running (<seconds>s)'
+    whenever `every` + `grace` seconds pass without a line (news: the last line's, or
+    `news()`'s; the grace lets a due update come first):
+    one call that runs long (a compile, a chunk of steps on a loaded machine) still prints
+    a line that often."""
+
+    def __init__(self, log: Callable[[str], None], what: str, total: int | None = None, *,
+                 unit: str = "step", every: float = 8.0, grace: float = 3.0,
+                 start: float | None = None, clock: Callable[[], float] = time.perf_counter):
+        self._log, self.what, self.total, self.every = log, what, total, every
+        self.grace = grace
+        self.unit = unit
+        self._clock = clock
+        self.start = clock() if start is None else start  # the clock reading of "0s"
+        self._last = self.start  # when the last line was logged
+        self._news = "started"  # what the watchdog repeats
+        self._lock = threading.Lock()
+        self._stop: threading.Event | None = None
+
+    @property
+    def elapsed(self) -> float:
+        return self._clock() - self.start
+
+    def _emit(self, text: str, news: str) -> None:
+        with self._lock:
+            self._log(text)
+            self._last, self._news = self._clock(), news
+
+    def line(self, text: str) -> None:
+        self._emit(f"{self.what}: {text}", text)
+
+    def news(self, text: str) -> None:
+        """What the watchdog's next line says is going on (nothing is logged now)."""
+        self._news = text
+
+    def update(self, done: int, detail: str | Callable[[], str] = "") -> None:
+        """`done` of `total` finished; `detail` may be a function, called only when the line
+        is printed (a device value read only then)."""
+        now = self._clock()
+        if done != self.total and now - self._last < self.every:
+            self._news = f"{self.unit} {done}/{self.total} done"
+            return
+        detail = detail() if callable(detail) else detail
+        count = f"{self.unit} {done}/{self.total}"
+        self._emit(f"{self.what}: {count}{f', {detail}' if detail else ''} "
+                   f"({now - self.start:.0f}s)", f"{count} done")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(self.every / 4, 1.0)):
+            with self._lock:
+                quiet = self._clock() - self._last >= self.every + self.grace
+            if quiet:
+                self._emit(f"{self.what}: {self._news}, still running ({self.elapsed:.0f}s)",
+                           self._news)
+
+    def __enter__(self) -> "Progress":
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"progress {self.what}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 # ----------------------------------------------------------------------------- run summaries

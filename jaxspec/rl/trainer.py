@@ -48,7 +48,7 @@ from jaxspec.config import Config, ConfigError
 from jaxspec.config import save as save_config
 from jaxspec.decoding.history import HistoryStore
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary, scalar_metrics
-from jaxspec.metrics import WandbSink
+from jaxspec.metrics import Progress, WandbSink
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.mtp import save_mtp
@@ -445,7 +445,9 @@ class GRPOTrainer:
                            f"tensors: not generating from them", step=self.completed)
         self._check_stop(stop)  # a signal during the warm-up
         start = time.perf_counter()
-        self.compile()
+        with Progress(self.log, "generation") as progress:  # a line every ~10 s meanwhile
+            progress.line("compiling it on the run's shapes")
+            self.compile()
         self.log(f"generation compiled ({time.perf_counter() - start:.1f}s)")
         resume = self.completed if self.plan.resume_step is not None else None
         try:
@@ -484,18 +486,24 @@ class GRPOTrainer:
     def _loop(self, writer: MetricsWriter, stop: StopSignals, on_step) -> dict | None:
         cfg, row = self.cfg, None
         with writer:
+            first = self.completed
             while self.completed < cfg.run.steps:
                 self._check_stop(stop)
-                try:
-                    metrics = self.step()
-                except Diverged as e:
-                    writer.write(e.step, e.metrics)
-                    self._save_last_finite()
-                    raise
-                row = writer.write(self.completed, metrics)
-                every = cfg.run.save_every
-                if (every and self.completed % every == 0) or self.completed == cfg.run.steps:
-                    self.save()
+                # a step over ~10 s (compiles, a loaded machine) still prints lines
+                with Progress(self.log, f"GRPO step {self.completed + 1}/{cfg.run.steps}") as p:
+                    if self.completed == first:
+                        p.line("the first step compiles the training programs")
+                    try:
+                        metrics = self.step()
+                    except Diverged as e:
+                        writer.write(e.step, e.metrics)
+                        self._save_last_finite()
+                        raise
+                    p.news("done, writing its metrics and checkpoint")
+                    row = writer.write(self.completed, metrics)
+                    every = cfg.run.save_every
+                    if (every and self.completed % every == 0) or self.completed == cfg.run.steps:
+                        self.save()
                 if on_step is not None:
                     on_step(self.completed, row)
         return row
