@@ -55,10 +55,15 @@ def stages_figure(rows):
         ax.bar(steps, seconds, bottom=bottom, label=stage, width=0.9, color=color)
         bottom += np.asarray(seconds)
     if len(rows) > 1:  # the first step compiles; keep the scale for the others
-        ax.set_ylim(0, 1.3 * max(bottom[1:].max(), 1e-3))
+        top = 1.15 * max(bottom[1:].max(), 1e-3)
+        ax.set_ylim(0, top)
+        for step, total in zip(steps, bottom, strict=True):  # a cut bar: its height in text
+            if total > top:
+                ax.text(step, 0.97 * top, f"{total:.1f}s", ha="center", va="top", fontsize=8,
+                        bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
     ax.set(xlabel="step", ylabel="seconds",
            title="Step time by stage (bar = time/step; step 1 compiles)")
-    ax.legend(fontsize=8, ncol=5, loc="upper center")
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     return fig
 
 
@@ -78,10 +83,11 @@ def plot_run(run_dir: str) -> list[str]:
 
     def save(fig, name):
         for ax in fig.axes:  # steps are whole numbers
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if ax.get_xlim()[1] - ax.get_xlim()[0] > 2:  # (else MaxNLocator falls back)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         path = os.path.join(run_dir, name)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # legends below the axes too
         plt.close(fig)
         paths.append(path)
 
@@ -109,9 +115,10 @@ def plot_run(run_dir: str) -> list[str]:
             px, py = _series(rows, key)
             ax2.plot(px, py, lw=1, alpha=0.7, label=f"accepted at depth {key.rsplit('_', 1)[1]}")
         ax2.set_ylim(0, 1)
-        ax2.set_ylabel("acceptance rate")
-        ax2.legend(loc="lower right", fontsize=8)
-    ax.legend(loc="upper left")
+        ax2.set_ylabel("acceptance rate (right axis)")
+    handles = [h for a in fig.axes for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3,
+              fontsize=8)  # below the axes: the curves fill the plot
     ax.grid(alpha=0.3)
     save(fig, "acceptance.png")
 
@@ -125,6 +132,7 @@ def plot_run(run_dir: str) -> list[str]:
                label="speculative")
         ax.bar(xs + 0.2, [r["generation_plain_time_s"] for r in compared], width=0.4,
                label="plain (same key, same step)")
+        ax.set_xticks(xs)  # the compared steps
         ax.set_title("Generation time: speculative vs plain")
     else:
         xs, ys = _series(rows, "generation_time_s")
