@@ -451,8 +451,10 @@ class GRPOTrainer:
         self.log(f"generation compiled ({time.perf_counter() - start:.1f}s)")
         resume = self.completed if self.plan.resume_step is not None else None
         try:
-            writer = (MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn,
-                                    wandb=self._wandb) if is_primary() else _RowsOnly())
+            with Progress(self.log, "metrics") as p:  # importing tensorboardX: seconds
+                p.news("opening metrics.jsonl and TensorBoard")
+                writer = (MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn,
+                                        wandb=self._wandb) if is_primary() else _RowsOnly())
             self._wandb = None  # the writer closes it
             row = self._loop(writer, stop, on_step)
         except OSError as e:  # metrics.jsonl or tb/ cannot be written

@@ -160,7 +160,7 @@ def supervised_warmup(
 ) -> tuple[Policy, np.ndarray]:  # (warmed-up policy, per-step loss [steps])
     """Cross-entropy training with AdamW (constant lr, global-norm clip 1), one batch per
     step in the given order. The steps run as a jitted scan over chunks of at most `chunk`
-    steps (the same program each time), and `progress(steps done, their losses)` is called
+    steps (the same program each time); `progress(steps done, the chunk's losses)` is called
     after each chunk: the first call includes the compile. Where a step's sequences fit in
     fewer rows packed (long-tailed lengths), they are packed (`pack_sequences`)."""
     tokens = np.asarray(tokens, np.int32)
