@@ -142,6 +142,16 @@ class WandbSink:
     def __init__(self, run_dir: str | os.PathLike, *, project: str, name: str | None = None,
                  mode: str = "online", entity: str | None = None,
                  config: dict[str, Any] | None = None, resume: bool = False):
+        """Starts the W&B run (`wandb.init`).
+
+        Args:
+            run_dir: the run's directory (W&B's files go under <run_dir>/wandb).
+            project, entity: where the run goes (entity None: the login's default).
+            name: the run's display name; None: run_dir's last part.
+            mode: "online" or "offline".
+            config: the run's config (nested plain data), shown and searchable in W&B.
+            resume: continue the W&B run whose id <run_dir>/wandb_run_id holds, if any.
+        """
         import wandb
 
         from jaxspec.config import ConfigError
@@ -399,6 +409,14 @@ class Progress:
     def __init__(self, log: Callable[[str], None], what: str, total: int | None = None, *,
                  unit: str = "step", every: float = 8.0, grace: float = 3.0,
                  start: float | None = None, clock: Callable[[], float] = time.perf_counter):
+        """Args:
+            log: where lines go (the run's console).
+            what: the stretch's name, each line's prefix, e.g. "warm-up (policy)".
+            total, unit: how many `unit`s the stretch has (update's 'step 5/180').
+            every: seconds between update lines; the watchdog waits `every` + `grace`.
+            start: the clock reading the lines' seconds count from (default: now).
+            clock: seconds, monotonic (tests pass a fake one; the watchdog uses it too).
+        """
         self._log, self.what, self.total, self.every = log, what, total, every
         self.grace = grace
         self.unit = unit
