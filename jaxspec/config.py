@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -64,6 +65,7 @@ __all__ = [
     "SamplingSpec",
     "TaskSpec",
     "TreeSpec",
+    "WandbSpec",
     "WarmupSpec",
     "draft_headroom",
     "from_dict",
@@ -540,6 +542,24 @@ class TaskSpec:
 
 
 @_section
+class WandbSpec:
+    """Weights & Biases logging: metrics.jsonl's rows and the resolved config, process 0
+    (`pip install 'jaxspec[wandb]'`)."""
+
+    project: str = "jaxspec"  # the W&B project (not empty)
+    name: Optional[str] = None  # the W&B run's name; null: run.dir's last part
+    mode: Literal["online", "offline"] = "online"  # offline: <run.dir>/wandb, `wandb sync` it
+    entity: Optional[str] = None  # a W&B team or user; null: the login's default
+
+    def __post_init__(self):
+        if not self.project.strip():
+            raise ConfigError("project", self.project, "out of range", "a W&B project")
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("", dataclasses.asdict(self), "the wandb package is not installed",
+                              "pip install 'jaxspec[wandb]', or run.wandb: null (no W&B)")
+
+
+@_section
 class RunSpec:
     """Where a run writes, how long it runs and what it does on trouble."""
 
@@ -555,6 +575,7 @@ class RunSpec:
     # ends the run (exit 3), "skip" goes on without it, at most max_nonfinite_skips in a row
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_skips: int = Field(3, ge=1)
+    wandb: Optional[WandbSpec] = None  # W&B logging, e.g. {project: p, mode: offline}; null: off
 
     def __post_init__(self):
         if not self.dir.strip():

@@ -1,4 +1,4 @@
-"""Stage timers, metric sinks (JSONL, TensorBoard) and the one-line-per-step progress text.
+"""Stage timers, metric sinks (JSONL, TensorBoard, Weights & Biases) and the progress text.
 
 Key names shared with the trainer and scripts/report.py: `step`, `reward`,
 `acceptance_length`, `time/<stage>` (seconds), `share/<stage>` (fraction of the step),
@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -21,7 +22,9 @@ import numpy as np
 __all__ = [
     "Console",
     "MetricsWriter",
+    "Progress",
     "StageTimer",
+    "WandbSink",
     "fit_lines",
     "format_step_line",
     "read_metrics",
@@ -118,17 +121,96 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: _to_python(v) for k, v in metrics.items()}
 
 
+def _scalars(row: dict[str, Any]) -> dict[str, int | float]:
+    """The numeric entries of a written row but `step` (what TensorBoard and W&B plot)."""
+    return {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+            and not isinstance(v, bool)}
+
+
+class WandbSink:
+    """A Weights & Biases run fed the rows MetricsWriter writes: each row's numbers under
+    the same names, at its step, and the run's config. Files go under <run_dir>/wandb (with
+    mode "offline" only there; `wandb sync` uploads them later). The run's id is kept in
+    <run_dir>/wandb_run_id, so a resumed run (`resume=True`) continues the same W&B run
+    (W&B drops re-logged steps at or below its last one).
+
+    Open it on process 0 only (the trainer does); `wandb.init`'s failure (no login, no
+    network) is a ConfigError naming run.wandb, raised before the run computes anything."""
+
+    ID_FILE = "wandb_run_id"
+
+    def __init__(self, run_dir: str | os.PathLike, *, project: str, name: str | None = None,
+                 mode: str = "online", entity: str | None = None,
+                 config: dict[str, Any] | None = None, resume: bool = False):
+        """Starts the W&B run (`wandb.init`).
+
+        Args:
+            run_dir: the run's directory (W&B's files go under <run_dir>/wandb).
+            project, entity: where the run goes (entity None: the login's default).
+            name: the run's display name; None: run_dir's last part.
+            mode: "online" or "offline".
+            config: the run's config (nested plain data), shown and searchable in W&B.
+            resume: continue the W&B run whose id <run_dir>/wandb_run_id holds, if any.
+        """
+        import wandb
+
+        from jaxspec.config import ConfigError
+
+        run_dir = os.fspath(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        id_path = os.path.join(run_dir, self.ID_FILE)
+        run_id = None
+        if resume and os.path.isfile(id_path):
+            with open(id_path) as fh:
+                run_id = fh.read().strip() or None
+        try:
+            self.run = wandb.init(
+                project=project, entity=entity, mode=mode, dir=run_dir, config=config,
+                name=name or os.path.basename(os.path.abspath(run_dir)), id=run_id,
+                resume="allow" if run_id else None)
+        except wandb.errors.Error as e:
+            raise ConfigError("run.wandb.mode", mode, f"W&B could not start a run ({e})",
+                              "`wandb login` (or WANDB_API_KEY) for online, or "
+                              "run.wandb.mode=offline") from None
+        with open(id_path, "w") as fh:
+            fh.write(self.run.id + "\n")
+
+    @classmethod
+    def for_run(cls, cfg, *, resume: bool = False) -> "WandbSink | None":
+        """The sink of a `Config`'s run.wandb (None when it is off), logging the resolved
+        config."""
+        from jaxspec.config import to_dict
+
+        w = cfg.run.wandb
+        if w is None:
+            return None
+        return cls(cfg.run.dir, project=w.project, name=w.name, mode=w.mode, entity=w.entity,
+                   config=to_dict(cfg), resume=resume)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """A MetricsWriter row ({"step": s, name: value, ...}): its numbers at step s."""
+        self.run.log(_scalars(row), step=int(row["step"]))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
 class MetricsWriter:
     """One JSON object per step appended to <run_dir>/metrics.jsonl, and the scalar ones to
-    TensorBoard (<run_dir>/tb) when tensorboardX is installed.
+    TensorBoard (<run_dir>/tb) when tensorboardX is installed and to `wandb` (a WandbSink,
+    closed with the writer) when given.
 
     `resume_step`: the step a resumed run restarts after; lines of later steps (written
     before the run stopped, after its last checkpoint) are dropped, so the file ends up as
     if the run had never stopped."""
 
     def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None,
-                 tensorboard: bool = True, log: Callable[[str], None] | None = None):
+                 tensorboard: bool = True, log: Callable[[str], None] | None = None,
+                 wandb: WandbSink | None = None):
         self.run_dir = os.fspath(run_dir)
+        self._wandb = wandb
         self._log = log or _log.warning
         os.makedirs(self.run_dir, exist_ok=True)
         self.path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -167,16 +249,20 @@ class MetricsWriter:
         with open(self.path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, int(step))
+            for k, v in _scalars(row).items():
+                self._tb.add_scalar(k, v, int(step))
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.write(row)
         return row
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self):
         return self
@@ -305,6 +391,88 @@ class Console:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Progress:
+    """Progress lines of a long stretch outside the GRPO steps (warm-up, draft init, a
+    compile), so that a slow machine is told from a hang.
+
+    `update(done)` logs '<what>: <unit> <done>/<total>[, <detail>] (<seconds>s)' when
+    `every` seconds have passed since the last line, and always on the last; `line(text)`
+    logs '<what>: <text>' at once (a phase starting, e.g. a compile). Used as a context
+    manager, a watchdog thread also logs '<what>: <news>, still running (<seconds>s)'
+    whenever `every` + `grace` seconds pass without a line (news: the last line's, or
+    `news()`'s; the grace lets a due update come first):
+    one call that runs long (a compile, a chunk of steps on a loaded machine) still prints
+    a line that often."""
+
+    def __init__(self, log: Callable[[str], None], what: str, total: int | None = None, *,
+                 unit: str = "step", every: float = 8.0, grace: float = 3.0,
+                 start: float | None = None, clock: Callable[[], float] = time.perf_counter):
+        """Args:
+            log: where lines go (the run's console).
+            what: the stretch's name, each line's prefix, e.g. "warm-up (policy)".
+            total, unit: how many `unit`s the stretch has (update's 'step 5/180').
+            every: seconds between update lines; the watchdog waits `every` + `grace`.
+            start: the clock reading the lines' seconds count from (default: now).
+            clock: seconds, monotonic (tests pass a fake one; the watchdog uses it too).
+        """
+        self._log, self.what, self.total, self.every = log, what, total, every
+        self.grace = grace
+        self.unit = unit
+        self._clock = clock
+        self.start = clock() if start is None else start  # the clock reading of "0s"
+        self._last = self.start  # when the last line was logged
+        self._news = "started"  # what the watchdog repeats
+        self._lock = threading.Lock()
+        self._stop: threading.Event | None = None
+
+    @property
+    def elapsed(self) -> float:
+        return self._clock() - self.start
+
+    def _emit(self, text: str, news: str) -> None:
+        with self._lock:
+            self._log(text)
+            self._last, self._news = self._clock(), news
+
+    def line(self, text: str) -> None:
+        self._emit(f"{self.what}: {text}", text)
+
+    def news(self, text: str) -> None:
+        """What the watchdog's next line says is going on (nothing is logged now)."""
+        self._news = text
+
+    def update(self, done: int, detail: str | Callable[[], str] = "") -> None:
+        """`done` of `total` finished; `detail` may be a function, called only when the line
+        is printed (a device value read only then)."""
+        now = self._clock()
+        if done != self.total and now - self._last < self.every:
+            self._news = f"{self.unit} {done}/{self.total} done"
+            return
+        detail = detail() if callable(detail) else detail
+        count = f"{self.unit} {done}/{self.total}"
+        self._emit(f"{self.what}: {count}{f', {detail}' if detail else ''} "
+                   f"({now - self.start:.0f}s)", f"{count} done")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(self.every / 4, 1.0)):
+            with self._lock:
+                quiet = self._clock() - self._last >= self.every + self.grace
+            if quiet:
+                self._emit(f"{self.what}: {self._news}, still running ({self.elapsed:.0f}s)",
+                           self._news)
+
+    def __enter__(self) -> "Progress":
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"progress {self.what}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 # ----------------------------------------------------------------------------- run summaries

@@ -8,8 +8,10 @@
 
 Overrides are `dotted.key=value` (YAML values). Writes into run.dir: config.yaml (the
 resolved config), metrics.jsonl (one line per step), tb/ (TensorBoard, when tensorboardX is
-installed), checkpoints/ (every run.save_every steps and at the end), policy/ and eagle3/
-(the final policy and draft in HF / vLLM-SGLang layout). Plots: scripts/report.py RUN_DIR.
+installed), wandb/ (with run.wandb: Weights & Biases, docs/training.md), checkpoints/
+(every run.save_every steps and at the end), policy/ and eagle3/ (the final policy and
+draft in HF / vLLM-SGLang layout). Plots: scripts/report.py RUN_DIR. Long stretches before
+the first step (warm-up, draft init, compiles) print a progress line at least every ~10 s.
 A bad config or input stops with one `error:` line before anything compiles (exit code 2).
 
 Exit codes (jaxspec.rl.faults): 0 done; 2 bad config or input, or run.dir not writable / no

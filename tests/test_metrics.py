@@ -2,13 +2,14 @@
 
 import json
 import sys
+import time
 import types
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.metrics import MetricsWriter, StageTimer, format_step_line
+from jaxspec.metrics import MetricsWriter, Progress, StageTimer, format_step_line
 
 
 class FakeClock:
@@ -201,3 +202,45 @@ def test_run_summary_of_a_linear_reward_curve(tmp_path):
     assert s["stage_shares"] == {"generation": 0.5}
     with pytest.raises(FileNotFoundError, match="not a run directory"):
         read_metrics(tmp_path / "missing")
+
+
+# ----------------------------------------------------------------------------- Progress
+
+def test_progress_lines_at_most_every_interval_and_always_the_last():
+    clock, lines = FakeClock(), []
+    p = Progress(lines.append, "warm-up (policy)", 20, every=8.0, clock=clock)
+    p.line("20 supervised steps: compiling")
+    for done in range(1, 21):
+        clock.advance(3.0 if done > 1 else 10.0)  # the first chunk compiles
+        p.update(done, lambda d=done: f"loss {1 / d:.3f}")
+    assert lines == ["warm-up (policy): 20 supervised steps: compiling",
+                     "warm-up (policy): step 1/20, loss 1.000 (10s)",
+                     "warm-up (policy): step 4/20, loss 0.250 (19s)",
+                     "warm-up (policy): step 7/20, loss 0.143 (28s)",
+                     "warm-up (policy): step 10/20, loss 0.100 (37s)",
+                     "warm-up (policy): step 13/20, loss 0.077 (46s)",
+                     "warm-up (policy): step 16/20, loss 0.062 (55s)",
+                     "warm-up (policy): step 19/20, loss 0.053 (64s)",
+                     "warm-up (policy): step 20/20, loss 0.050 (67s)"]
+    # the detail of a line not printed is never computed (a device read)
+    p.update(5, lambda: pytest.fail("computed for a throttled update"))
+
+
+def test_progress_watchdog_prints_while_one_call_runs_long():
+    lines = []
+    with Progress(lines.append, "generation", every=0.2, grace=0.1) as p:
+        p.line("compiling it")
+        time.sleep(1.2)  # one long call (a compile): no update can print
+        p.news("compiled, opening the files")
+        time.sleep(1.0)
+    assert lines[0] == "generation: compiling it"
+    beats = lines[1:]
+    assert len(beats) >= 3 and all(", still running (" in b for b in beats), lines
+    assert beats[0].startswith("generation: compiling it, still running")
+    assert beats[-1].startswith("generation: compiled, opening the files, still running")
+    n = len(lines)
+    time.sleep(0.5)
+    assert len(lines) == n  # the watchdog stopped with the block
+    with Progress(lines.append, "quick", every=0.2, grace=0.1) as p:
+        p.line("start")
+    assert lines[n:] == ["quick: start"]  # a short block prints no watchdog line

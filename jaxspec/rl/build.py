@@ -12,7 +12,9 @@ from collections.abc import Callable
 import jax
 
 from jaxspec import parallel
+from jaxspec.metrics import Progress
 from jaxspec.models import Policy, load_hf
+from jaxspec.rl import faults
 from jaxspec.rl.warmup import encode_pairs, supervised_warmup
 
 __all__ = ["build_draft_model", "build_policy", "export_models", "warm_up"]
@@ -28,11 +30,12 @@ def warm_up(policy: Policy, plan, warmup_cfg, seed: int, what: str, *,
     start = time.perf_counter()
     pairs = plan.task.supervised_examples(w.steps * w.batch_size, seed)
     tokens, mask = encode_pairs(plan.tokenizer, pairs)
-    # One compiled scan runs every step, so nothing is printed until it ends: say so first.
-    (log or _log.info)(f"warm-up ({what}): {w.steps} supervised steps of {w.batch_size} "
-                       "sequences, one compiled loop (no progress lines until it ends)")
-    policy, losses = supervised_warmup(policy, tokens, mask, steps=w.steps,
-                                       batch_size=w.batch_size, lr=w.lr)
+    with Progress(log or _log.info, f"warm-up ({what})", w.steps) as progress:
+        progress.line(f"{w.steps} supervised steps of {w.batch_size} sequences: compiling")
+        policy, losses = supervised_warmup(
+            policy, tokens, mask, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+            progress=lambda done, loss: (faults.check_setup_stop(),  # a stop signal: stop here
+                                         progress.update(done, f"loss {loss.mean():.3f}")))
     if history is not None:
         history[f"{what} loss"] = losses
     (log or _log.info)(f"warm-up ({what}): {w.steps} steps, loss {losses[0]:.3f} -> "

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import jax
 
 from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.metrics import Progress
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
 from jaxspec.rl import faults
 from jaxspec.rl.draft import DraftLossConfig
@@ -101,11 +102,12 @@ class DraftLearner:
         metrics ('draft') and the token counts ('draft_token_counts')."""
         start = time.perf_counter()
         corpus, train_step = self._offline(policy, key, ref_params)
-        train_step = self._with_progress(train_step, start)
-        head, opt_state, steps = init_eagle3_head(
-            policy, corpus, draft_vocab_size=draft_vocab_size, key=key,
-            steps=self.cfg.warmup.draft_steps, opt_state_init=self.optimizer.init,
-            train_step=train_step, capture_layers=self.cfg.draft.layers)
+        train_step, progress = self._with_progress(train_step, start)
+        with progress:
+            head, opt_state, steps = init_eagle3_head(
+                policy, corpus, draft_vocab_size=draft_vocab_size, key=key,
+                steps=self.cfg.warmup.draft_steps, opt_state_init=self.optimizer.init,
+                train_step=train_step, capture_layers=self.cfg.draft.layers)
         self._report(history, corpus, steps, start)
         return head, opt_state
 
@@ -115,13 +117,14 @@ class DraftLearner:
         policy's own rollouts, as `init_head` does for EAGLE-3. Returns (head, opt_state)."""
         start = time.perf_counter()
         corpus, train_step = self._offline(policy, key, None)
-        train_step = self._with_progress(train_step, start)
+        train_step, progress = self._with_progress(train_step, start)
         head = MTPHead.init_for(policy, key)
         opt_state, steps = self.init_state(head), []
-        for step in range(self.cfg.warmup.draft_steps):
-            head, opt_state, metrics = train_step(head, opt_state,
-                                                  corpus.batches[step % len(corpus.batches)])
-            steps.append({k: float(v) for k, v in metrics.items()})
+        with progress:
+            for step in range(self.cfg.warmup.draft_steps):
+                head, opt_state, metrics = train_step(head, opt_state,
+                                                      corpus.batches[step % len(corpus.batches)])
+                steps.append({k: float(v) for k, v in metrics.items()})
         self._report(history, corpus, steps, start)
         return head, opt_state
 
@@ -132,12 +135,15 @@ class DraftLearner:
         r, tokenizer = cfg.rollout, self.plan.tokenizer
         pairs = self.plan.task.supervised_examples(w.draft_rollouts, cfg.run.seed + 2)
         prompts, lengths = encode_prompts(tokenizer, [p for p, _ in pairs], r.max_prompt_len)
-        corpus = draft_corpus(
-            cluster.place_for_generation(policy), prompts, lengths,
-            batch_size=r.prompts_per_step * r.group_size, max_new_tokens=r.max_new_tokens,
-            sampling=self.sampling, stop_tokens=tuple(tokenizer.eos_ids),
-            key=jax.random.fold_in(key, 1), pad_id=tokenizer.pad_id,
-            generate_fn=lambda *a, **kw: cluster.generate(*a, method=r.method, **kw))
+        with Progress(self.log, "draft init", len(pairs), unit="rollouts") as progress:
+            progress.line(f"{len(pairs)} rollouts of the warmed-up policy: compiling generation")
+            corpus = draft_corpus(
+                cluster.place_for_generation(policy), prompts, lengths,
+                batch_size=r.prompts_per_step * r.group_size, max_new_tokens=r.max_new_tokens,
+                sampling=self.sampling, stop_tokens=tuple(tokenizer.eos_ids),
+                key=jax.random.fold_in(key, 1), pad_id=tokenizer.pad_id,
+                generate_fn=lambda *a, **kw: cluster.generate(*a, method=r.method, **kw),
+                progress=lambda done: (faults.check_setup_stop(), progress.update(done)))
         on_train = cluster.place_policy(policy)
         ref = None if ref_params is None else cluster.place_tree(ref_params)
 
@@ -151,23 +157,23 @@ class DraftLearner:
         return corpus, train_step
 
     def _with_progress(self, train_step, start: float):
-        """train_step, logging a progress line every tenth of warmup.draft_steps (runs of
-        50 steps or more: the offline init is minutes on a CPU for mid-size policies)."""
+        """(train_step logging progress lines, its `metrics.Progress`: enter it around the
+        steps for a line at least every ~10 s; the offline init is minutes on a CPU for
+        mid-size policies)."""
         total = self.cfg.warmup.draft_steps
-        every, done = max(total // 10, 1), [0]
-        self.log(f"draft init: rollouts generated ({time.perf_counter() - start:.1f}s); "
-                 f"{total} training steps")
+        progress, done = Progress(self.log, "draft init", total, start=start), [0]
+        progress.line(f"rollouts generated ({progress.elapsed:.1f}s); {total} training "
+                      f"steps: compiling the scoring and the update")
 
         def step(head, opt_state, batch):
             faults.check_setup_stop()  # a stop signal during the init: stop between its steps
             out = train_step(head, opt_state, batch)
             done[0] += 1
-            if total >= 50 and done[0] % every == 0 and done[0] < total:
-                self.log(f"draft init: step {done[0]}/{total}, draft loss "
-                         f"{float(out[2]['draft_loss']):.3f} ({time.perf_counter() - start:.0f}s)")
+            if done[0] < total:  # the last: _report's line
+                progress.update(done[0], lambda: f"draft loss {float(out[2]['draft_loss']):.3f}")
             return out
 
-        return step
+        return step, progress
 
     def _report(self, history, corpus, steps: list[dict], start: float) -> None:
         if history is not None:

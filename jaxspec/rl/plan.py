@@ -258,15 +258,15 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                           f"the cache (max_position_embeddings = "
                           f"{model_config.max_position_embeddings})",
                           f"<= {room}, or a larger model.max_position_embeddings")
-    if isinstance(task, tasks_lib.JsonlTask):
-        prompts = [(i, ex.prompt) for i, ex in enumerate(task.examples)]
-    else:
-        prompts = [(i, ex.prompt) for i, ex in enumerate(task.batch(0, r.prompts_per_step))]
-    for i, text in prompts:
+    if isinstance(task, tasks_lib.JsonlTask):  # every prompt of the file
+        prompts = [(f"prompt {i}", ex.prompt) for i, ex in enumerate(task.examples)]
+    else:  # the longest a generated task can produce (RL and warm-up streams)
+        prompts = [(f"the longest prompt of task '{cfg.task.name}'", task.longest_prompt())]
+    for what, text in prompts:
         n = len(tokenizer.encode_prompt(text))  # as generation sees it: templated
         if n > r.max_prompt_len:
             raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
-                              f"prompt {i} ({text[:40]!r}...) has {n} tokens: longer than the "
+                              f"{what} ({text[:40]!r}) has {n} tokens: longer than the "
                               f"prompt cache allows", f">= {n} (and within the policy's cache)")
     # The draft against the policy.
     if d.layers is not None:

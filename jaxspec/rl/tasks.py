@@ -94,7 +94,9 @@ def _rng(seed: int, stream: str, index: int) -> random.Random:
 
 
 class Task(abc.ABC):
-    """A stream of prompts, a reward, and supervised pairs for the warm-up."""
+    """A stream of prompts, a reward, and supervised pairs for the warm-up. A task that
+    generates its prompts takes `dataset_size`: a fixed set of that many prompts visited
+    in a fresh order every epoch (None: a new prompt at every position)."""
 
     name = "task"
     tokenizer: CharTokenizer | None = None  # None: the policy's own (HF) tokenizer
@@ -148,6 +150,13 @@ class Task(abc.ABC):
         """A fresh example drawn with `rng` (tasks that generate their prompts)."""
         raise TypeError(f"{type(self).__name__} does not generate examples")
 
+    def longest_prompt(self) -> str:
+        """A prompt of the greatest length this task can produce, RL and warm-up streams
+        alike (characters; with the task's character tokenizer, tokens less the BOS), so
+        `rollout.max_prompt_len` is checked once before anything compiles."""
+        raise TypeError(f"{type(self).__name__} does not generate its prompts: check each "
+                        f"of them")
+
     def _warmup_target(self, example: Example, rng: random.Random) -> str:
         return example.solution
 
@@ -180,8 +189,9 @@ class ArithmeticTask(Task):
     name = "arithmetic"
 
     def __init__(self, seed: int = 0, digits: int = 1, ops: str = "+", fixed_width: bool = True,
-                 reverse: bool = False, partial_credit: bool = True, warmup_noise: float = 0.5):
-        super().__init__(seed)
+                 reverse: bool = False, partial_credit: bool = True, warmup_noise: float = 0.5,
+                 dataset_size: int | None = None):
+        super().__init__(seed, dataset_size)
         if digits < 1:
             raise ValueError(f"digits must be >= 1, got {digits}")
         if not ops or any(o not in "+-*" for o in ops):
@@ -205,6 +215,10 @@ class ArithmeticTask(Task):
         pad = self.digits if self.fixed_width else 1
         answer = self.format_number(value, width)
         return Example(f"{str(a).zfill(pad)}{op}{str(b).zfill(pad)}=", answer, answer)
+
+    def longest_prompt(self) -> str:
+        hi = str(10 ** self.digits - 1)  # operands have at most `digits` digits
+        return f"{hi}{self.ops[0]}{hi}="
 
     def _warmup_target(self, example, rng):
         if rng.random() < self.warmup_noise:
@@ -262,8 +276,9 @@ class WorkedAdditionTask(Task):
     name = "worked_addition"
 
     def __init__(self, seed: int = 0, max_digits: int = 16, min_digits: int = 1,
-                 partial_credit: bool = True, warmup_noise: float = 0.3):
-        super().__init__(seed)
+                 partial_credit: bool = True, warmup_noise: float = 0.3,
+                 dataset_size: int | None = None):
+        super().__init__(seed, dataset_size)
         if not isinstance(min_digits, int) or not isinstance(max_digits, int) \
                 or not 1 <= min_digits <= max_digits:
             raise ValueError(f"need integers 1 <= min_digits <= max_digits; got "
@@ -298,6 +313,9 @@ class WorkedAdditionTask(Task):
         b = "".join(rng.choice("0123456789") for _ in range(n))
         solution = self.work(a, b)
         return Example(f"{a}+{b}=", solution.split(";")[1], solution)
+
+    def longest_prompt(self) -> str:
+        return f"{'9' * self.max_digits}+{'9' * self.max_digits}="
 
     def _warmup_target(self, example, rng):
         if rng.random() >= self.warmup_noise:
@@ -363,6 +381,12 @@ class CountingTask(Task):
         n = _log_uniform_int(rng, self.min_count, self.max_count)
         a = rng.randint(0, self.max_number - n)
         return Example(f"{a}+{n}=", str(a + n), self.work(a, n))
+
+    def longest_prompt(self) -> str:
+        # a is at most max_number - n: the longest "a+n=" over every count n
+        n = max(range(self.min_count, self.max_count + 1),
+                key=lambda n: len(f"{self.max_number - n}+{n}="))
+        return f"{self.max_number - n}+{n}="
 
     def _warmup_target(self, example, rng):
         if rng.random() >= self.warmup_noise:
@@ -450,19 +474,23 @@ class CountdownTask(Task):
 
     Reward 1 for a correct expression; with partial_credit, 0.1 for a well-formed
     expression over exactly the given numbers whose value is wrong. The target always has a
-    solution (it is the value of a random expression over the numbers)."""
+    solution: the value of a random expression over the numbers, drawn again until it is a
+    whole number >= 0 (after 100 draws, the sum, or with no "+" the product, of the last
+    numbers; so `ops` must hold "+" or "*")."""
 
     name = "countdown"
 
     def __init__(self, seed: int = 0, count: int = 3, max_number: int = 9, ops: str = "+-*",
-                 partial_credit: bool = True, warmup_noise: float = 0.3):
-        super().__init__(seed)
+                 partial_credit: bool = True, warmup_noise: float = 0.3,
+                 dataset_size: int | None = None):
+        super().__init__(seed, dataset_size)
         if count < 2:
             raise ValueError(f"count must be >= 2, got {count}")
         if max_number < 1:
             raise ValueError(f"max_number must be >= 1, got {max_number}")
-        if not ops or any(o not in "+-*/" for o in ops):
-            raise ValueError(f"ops must be a non-empty string of + - * /, got {ops!r}")
+        if not ops or any(o not in "+-*/" for o in ops) or not set(ops) & set("+*"):
+            raise ValueError(f"ops must be a string of + - * / holding + or * (so every draw "
+                             f"of numbers has a whole target >= 0), got {ops!r}")
         if not 0 <= warmup_noise <= 1:
             raise ValueError(f"warmup_noise must be in [0, 1], got {warmup_noise}")
         self.tokenizer = CharTokenizer()
@@ -480,8 +508,19 @@ class CountdownTask(Task):
             value, _ = _evaluate(expr, self.ops)
             if value >= 0 and value.denominator == 1:
                 break
+        else:  # no whole target >= 0 in 100 draws: the last numbers' sum (or product)
+            expr = ("+" if "+" in self.ops else "*").join(map(str, order))
+            value, _ = _evaluate(expr, self.ops)
         prompt = ",".join(map(str, nums)) + f":{value.numerator}="
         return Example(prompt, str(value.numerator), expr)
+
+    def longest_prompt(self) -> str:
+        # every number at max_number, the target at its largest: with max_number >= 2 the
+        # product of all of them (a sum of products of disjoint groups is at most it),
+        # else (all ones) their sum when "+" is allowed
+        m, c = self.max_number, self.count
+        best = max((m ** c if "*" in self.ops else 0), (c * m if "+" in self.ops else 0))
+        return ",".join([str(m)] * c) + f":{best}="
 
     def _warmup_target(self, example, rng):
         if rng.random() < self.warmup_noise:

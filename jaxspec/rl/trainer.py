@@ -48,6 +48,7 @@ from jaxspec.config import Config, ConfigError
 from jaxspec.config import save as save_config
 from jaxspec.decoding.history import HistoryStore
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics, run_summary, scalar_metrics
+from jaxspec.metrics import Progress, WandbSink
 from jaxspec.models import Policy
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.rl.build import build_draft_model, build_policy, export_models
@@ -146,6 +147,9 @@ class GRPOTrainer:
         self._custom_log = log is not None
         self.log = log or _log.info
         self.plan = plan = prepare_run(cfg, devices=devices)  # host checks only
+        # run.wandb's run, process 0, before the warm-up: a failing W&B login costs nothing
+        self._wandb = WandbSink.for_run(cfg, resume=plan.resume_step is not None) \
+            if is_primary() else None
         self.task, self.tokenizer = plan.task, plan.tokenizer
         self.sampling, self.filtered = sampling_of(cfg.sampling)
         self.lag = cfg.async_.max_policy_lag if cfg.async_.enabled else 0
@@ -439,12 +443,17 @@ class GRPOTrainer:
                            f"tensors: not generating from them", step=self.completed)
         self._check_stop(stop)  # a signal during the warm-up
         start = time.perf_counter()
-        self.compile()
+        with Progress(self.log, "generation") as progress:  # a line every ~10 s meanwhile
+            progress.line("compiling it on the run's shapes")
+            self.compile()
         self.log(f"generation compiled ({time.perf_counter() - start:.1f}s)")
         resume = self.completed if self.plan.resume_step is not None else None
         try:
-            writer = (MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn)
-                      if is_primary() else _RowsOnly())
+            with Progress(self.log, "metrics") as p:  # importing tensorboardX: seconds
+                p.news("opening metrics.jsonl and TensorBoard")
+                writer = (MetricsWriter(cfg.run.dir, resume_step=resume, log=self._warn,
+                                        wandb=self._wandb) if is_primary() else _RowsOnly())
+            self._wandb = None  # the writer closes it
             row = self._loop(writer, stop, on_step)
         except OSError as e:  # metrics.jsonl or tb/ cannot be written
             raise SaveFailed("the metrics", e.filename or cfg.run.dir, e,
@@ -477,18 +486,24 @@ class GRPOTrainer:
     def _loop(self, writer: MetricsWriter, stop: StopSignals, on_step) -> dict | None:
         cfg, row = self.cfg, None
         with writer:
+            first = self.completed
             while self.completed < cfg.run.steps:
                 self._check_stop(stop)
-                try:
-                    metrics = self.step()
-                except Diverged as e:
-                    writer.write(e.step, e.metrics)
-                    self._save_last_finite()
-                    raise
-                row = writer.write(self.completed, metrics)
-                every = cfg.run.save_every
-                if (every and self.completed % every == 0) or self.completed == cfg.run.steps:
-                    self.save()
+                # a step over ~10 s (compiles, a loaded machine) still prints lines
+                with Progress(self.log, f"GRPO step {self.completed + 1}/{cfg.run.steps}") as p:
+                    if self.completed == first:
+                        p.line("the first step compiles the training programs")
+                    try:
+                        metrics = self.step()
+                    except Diverged as e:
+                        writer.write(e.step, e.metrics)
+                        self._save_last_finite()
+                        raise
+                    p.news("done, writing its metrics and checkpoint")
+                    row = writer.write(self.completed, metrics)
+                    every = cfg.run.save_every
+                    if (every and self.completed % every == 0) or self.completed == cfg.run.steps:
+                        self.save()
                 if on_step is not None:
                     on_step(self.completed, row)
         return row

@@ -86,8 +86,8 @@ def _token_nll(policy, tokens, mask, segments=None):
 
 @functools.partial(jax.jit, static_argnames=("optimizer",))
 def _warmup_scan(policy, opt_state, tokens, mask, segments, optimizer):
-    """All warm-up steps in one program: tokens/mask/segments [steps, rows, T] (segments
-    None: one sequence per row)."""
+    """Warm-up steps in one program: tokens/mask/segments [steps, rows, T] (segments None:
+    one sequence per row). Returns (policy, opt_state, losses [steps])."""
 
     def body(carry, batch):
         params, opt_state = carry
@@ -98,7 +98,13 @@ def _warmup_scan(policy, opt_state, tokens, mask, segments, optimizer):
 
     xs = (tokens, mask) if segments is None else (tokens, mask, segments)
     (params, opt_state), losses = jax.lax.scan(body, (policy.params, opt_state), xs)
-    return policy.replace(params=params), losses
+    return policy.replace(params=params), opt_state, losses
+
+
+def _chunk_steps(steps: int, most: int) -> int:
+    """The largest divisor of `steps` that is at most `most`: every chunk of the warm-up
+    has the same length, so one program compiles for all of them."""
+    return max(d for d in range(1, min(steps, most) + 1) if steps % d == 0)
 
 
 def pack_sequences(
@@ -149,9 +155,13 @@ def supervised_warmup(
     steps: int,
     batch_size: int,
     lr: float,
+    chunk: int = 5,
+    progress: Callable[[int, np.ndarray], None] | None = None,
 ) -> tuple[Policy, np.ndarray]:  # (warmed-up policy, per-step loss [steps])
     """Cross-entropy training with AdamW (constant lr, global-norm clip 1), one batch per
-    step in the given order, all steps in one jitted scan. Where a step's sequences fit in
+    step in the given order. The steps run as a jitted scan over chunks of at most `chunk`
+    steps (the same program each time); `progress(steps done, the chunk's losses)` is called
+    after each chunk: the first call includes the compile. Where a step's sequences fit in
     fewer rows packed (long-tailed lengths), they are packed (`pack_sequences`)."""
     tokens = np.asarray(tokens, np.int32)
     loss_mask = np.asarray(loss_mask, bool)
@@ -168,10 +178,16 @@ def supervised_warmup(
     packed = pack_sequences(tokens, loss_mask)
     if packed[0].shape[1] < batch_size:  # short sequences share rows: fewer rows to run
         tokens, loss_mask, segments = packed
-        segments = jnp.asarray(segments)
-    policy, losses = _warmup_scan(policy, opt_state, jnp.asarray(tokens),
-                                  jnp.asarray(loss_mask), segments, optimizer)
-    return policy, np.asarray(losses)
+    n, losses = _chunk_steps(steps, chunk), []
+    for start in range(0, steps, n):
+        part = slice(start, start + n)
+        policy, opt_state, loss = _warmup_scan(
+            policy, opt_state, jnp.asarray(tokens[part]), jnp.asarray(loss_mask[part]),
+            None if segments is None else jnp.asarray(segments[part]), optimizer)
+        losses.append(np.asarray(loss))  # waits for the chunk
+        if progress is not None:
+            progress(start + n, losses[-1])
+    return policy, np.concatenate(losses)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,11 +210,13 @@ def draft_corpus(
     key: jax.Array,
     pad_id: int = 0,
     generate_fn: Callable = generate,
+    progress: Callable[[int], None] | None = None,
 ) -> DraftCorpus:
     """The policy's rollouts of `prompts` in batches of `batch_size` rows (the last one
     filled up by repeating rows, so every call has the RL step's compiled shapes), with the
     completion-token counts per target id. `generate_fn` is `generate` or a wrapper with its
-    signature (the trainer's places the call on the generation devices)."""
+    signature (the trainer's places the call on the generation devices); `progress(rollouts
+    done)` is called after each batch."""
     prompts = np.asarray(prompts, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
     n = prompts.shape[0]
@@ -217,6 +235,8 @@ def draft_corpus(
             np.add.at(counts, tokens[j, :lengths[j]], 1)
         batches.append((prompts[idx], prompt_lengths[idx], tokens, lengths,
                         np.asarray(out.logprobs)))
+        if progress is not None:
+            progress(min(start + batch_size, n))
     return DraftCorpus(batches, counts)
 
 
