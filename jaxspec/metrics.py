@@ -450,10 +450,10 @@ class Progress:
         if done != self.total and now - self._last < self.every:
             self._news = f"{self.unit} {done}/{self.total} done"
             return
-        detail = detail() if callable(detail) else detail
+        detail = detail() if callable(detail) else detail  # may wait for the device
         count = f"{self.unit} {done}/{self.total}"
         self._emit(f"{self.what}: {count}{f', {detail}' if detail else ''} "
-                   f"({now - self.start:.0f}s)", f"{count} done")
+                   f"({self.elapsed:.0f}s)", f"{count} done")
 
     def _watch(self) -> None:
         while not self._stop.wait(min(self.every / 4, 1.0)):
