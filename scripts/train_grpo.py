@@ -43,6 +43,7 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
+    print(f"GRPO: {args.config}: starting (JAX, the config, the models)", flush=True)
     from jaxspec import parallel
     from jaxspec.host import keep_freed_memory
 
