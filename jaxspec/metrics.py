@@ -16,8 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-import jax
-import numpy as np
+import numpy as np  # no JAX at import: Progress covers the start of a run, JAX's import
 
 __all__ = [
     "Console",
@@ -41,6 +40,8 @@ class _Stage:
 
     @staticmethod
     def ready(x):
+        import jax
+
         return jax.block_until_ready(x)
 
 
@@ -106,6 +107,8 @@ def _to_python(value: Any):
     """A JSON-able python scalar (or list) from a python/numpy/jax value; NaN/inf -> None."""
     if isinstance(value, (str, bool)) or value is None:
         return value
+    import jax
+
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
         arr = np.asarray(value)
         value = arr.item() if arr.ndim == 0 else arr.tolist()
