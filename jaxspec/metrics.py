@@ -16,8 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-import jax
-import numpy as np
+import numpy as np  # no JAX at import: Progress covers the start of a run, JAX's import
 
 __all__ = [
     "Console",
@@ -41,6 +40,8 @@ class _Stage:
 
     @staticmethod
     def ready(x):
+        import jax
+
         return jax.block_until_ready(x)
 
 
@@ -106,6 +107,8 @@ def _to_python(value: Any):
     """A JSON-able python scalar (or list) from a python/numpy/jax value; NaN/inf -> None."""
     if isinstance(value, (str, bool)) or value is None:
         return value
+    import jax
+
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
         arr = np.asarray(value)
         value = arr.item() if arr.ndim == 0 else arr.tolist()
@@ -450,10 +453,10 @@ class Progress:
         if done != self.total and now - self._last < self.every:
             self._news = f"{self.unit} {done}/{self.total} done"
             return
-        detail = detail() if callable(detail) else detail
+        detail = detail() if callable(detail) else detail  # may wait for the device
         count = f"{self.unit} {done}/{self.total}"
         self._emit(f"{self.what}: {count}{f', {detail}' if detail else ''} "
-                   f"({now - self.start:.0f}s)", f"{count} done")
+                   f"({self.elapsed:.0f}s)", f"{count} done")
 
     def _watch(self) -> None:
         while not self._stop.wait(min(self.every / 4, 1.0)):

@@ -43,20 +43,24 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
-    from jaxspec import parallel
-    from jaxspec.host import keep_freed_memory
+    from jaxspec.metrics import Progress  # imports no JAX: it watches JAX's import (seconds)
 
-    keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call (jaxspec.host)
+    with Progress(lambda text: print(text, flush=True), "GRPO") as setup:
+        setup.line(f"{args.config}: starting (importing JAX and the trainer)")
+        from jaxspec import parallel
+        from jaxspec.host import keep_freed_memory
 
-    try:  # an srun launch or JAXSPEC_* variables join one run (docs/scaling.md), before
-        parallel.initialize_distributed()  # anything below touches a device; else nothing
-    except ValueError as e:  # a malformed JAXSPEC_* variable
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from jaxspec.config import ConfigError, load_config
-    from jaxspec.metrics import Console, read_metrics, run_summary
-    from jaxspec.rl import faults
-    from jaxspec.rl.trainer import GRPOTrainer
+        keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call
+
+        try:  # an srun launch or JAXSPEC_* variables join one run (docs/scaling.md), before
+            parallel.initialize_distributed()  # anything below touches a device; else nothing
+        except ValueError as e:  # a malformed JAXSPEC_* variable
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        from jaxspec.config import ConfigError, load_config
+        from jaxspec.metrics import Console, read_metrics, run_summary
+        from jaxspec.rl import faults
+        from jaxspec.rl.trainer import GRPOTrainer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])

@@ -222,8 +222,17 @@ def test_progress_lines_at_most_every_interval_and_always_the_last():
                      "warm-up (policy): step 16/20, loss 0.062 (55s)",
                      "warm-up (policy): step 19/20, loss 0.053 (64s)",
                      "warm-up (policy): step 20/20, loss 0.050 (67s)"]
-    # the detail of a line not printed is never computed (a device read)
+    # the detail of a line not printed is never computed (a device read); a printed one's
+    # time is taken after it (it waits for the device)
     p.update(5, lambda: pytest.fail("computed for a throttled update"))
+
+    def slow_detail():
+        clock.advance(30.0)
+        return "loss 0.010"
+
+    clock.advance(8.0)
+    p.update(6, slow_detail)
+    assert lines[-1] == "warm-up (policy): step 6/20, loss 0.010 (105s)"
 
 
 def test_progress_watchdog_prints_while_one_call_runs_long():
