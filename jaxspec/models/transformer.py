@@ -4,14 +4,15 @@ One forward serves prefill (ragged prompts), decode (T=1) and draft-tree verific
 (T=N+1 fed tokens under an ancestor mask). Layers are stacked on a leading `layers` axis
 and run by one `jax.lax.scan`, so compile time and HLO size do not grow with depth.
 
-Decoding on CPU may run them unrolled instead: inside a scan XLA's CPU backend copies each
-layer's weight slice before its matmuls, which halves the read bandwidth of a memory-bound
-decode step (docs/BENCHMARKS.md, "Layer weights"). `Policy.unstack_layers()` (called once
+Decoding on CPU and GPU runs them unrolled instead: inside a scan XLA copies each layer's
+weight slices before its matmuls (the CPU backend, and the GPU backend as a compile for an
+H100 shows), which halves the read bandwidth of a memory-bound decode step
+(docs/BENCHMARKS.md, "Layer weights"; docs/results/gpu_programs.json). `Policy.unstack_layers()` (called once
 per `generate`, outside its loop) gives the forward per-layer arrays to read in place; the
 parameters themselves stay stacked, so checkpoints, sharding and training are unchanged.
 The unrolled layers pass the stacked KV cache from one layer's attention to the next
 (`kernels.tree_attention(thread=True)`), so XLA keeps it in one buffer (`model.layer_loop:
-auto` unrolls on CPU: `Policy.decodes_unrolled`).
+auto` unrolls on CPU and GPU: `Policy.decodes_unrolled`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.kernels import CacheLayer
+from jaxspec.kernels import CacheLayer, platform
 from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig, matmul_precision
 from jaxspec.kernels.invariant import invariant_dot
 from jaxspec.models.layers import INIT_STD, DecoderLayer, RMSNorm, logical_param
 
-__all__ = ["Policy", "Transformer", "param_path", "random_policy"]
+__all__ = ["Policy", "Transformer", "UNROLL_PLATFORMS", "param_path", "random_policy"]
+
+# Where `model.layer_loop: auto` decodes over per-layer weights (Policy.decodes_unrolled).
+UNROLL_PLATFORMS = ("cpu", "gpu")
 
 
 # --------------------------------------------------------------------------- module
@@ -265,18 +269,22 @@ class Policy:
 
     def decodes_unrolled(self, cache_max_len: int, batch: int) -> bool:
         """Whether decoding with a cache of `cache_max_len` slots per row unrolls the layers:
-        `model.layer_loop`, where "auto" unrolls on CPU.
+        `model.layer_loop`, where "auto" unrolls on CPU and GPU (the platform programs are
+        built for, `kernels.platform()`: a GPU target compiled for from a CPU counts as GPU).
 
-        On CPU the scan copies each layer's weight slice at every step; the unrolled loop
-        reads per-layer copies made once per call and hands the KV cache from layer to layer
-        without copying it (docs/BENCHMARKS.md, "Layer weights"). Never with batch_invariant
-        (its generation must equal the scanned training forward bit for bit) and never off
-        CPU. (`cache_max_len` and `batch` no longer decide; kept for callers.)"""
+        Inside a scan over the stacked weights XLA copies each layer's weight slices before
+        its matmuls at every step, on CPU (docs/BENCHMARKS.md, "Layer weights") and on a GPU
+        alike (an H100 compile: 2.0x the bytes of the unrolled step, docs/results/
+        gpu_programs.json); the unrolled loop reads per-layer copies made once per call in
+        place and hands the KV cache from layer to layer without copying it. Never with
+        batch_invariant (its generation must equal the scanned training forward bit for
+        bit), and not on TPU (not measured there). (`cache_max_len` and `batch` no longer
+        decide; kept for callers.)"""
         del cache_max_len, batch
         loop = self.config.layer_loop
         if loop != "auto":
             return loop == "unroll"
-        return jax.default_backend() == "cpu" and not self.config.batch_invariant
+        return platform() in UNROLL_PLATFORMS and not self.config.batch_invariant
 
     @property
     def module(self) -> Transformer:
