@@ -40,6 +40,8 @@ def _parse(argv):
     p.add_argument("--programs", default=None,
                    help="comma list (default: decode,verify_k3,tree_n16,refill,eagle3_draft)")
     p.add_argument("--layer-loop", default=None, help="override model.layer_loop: auto, scan or unroll")
+    p.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
+                   help="an XLA compile option for every program (repeatable)")
     p.add_argument("--json", default=None, help="write the reports here")
     p.add_argument("--hlo-dir", default=None, help="write each program's optimized HLO here")
     p.add_argument("overrides", nargs="*", help="config overrides a.b=c")
@@ -124,6 +126,12 @@ def main(argv=None) -> int:
             raise ValueError(f"--programs {','.join(bad)} unknown; valid: {', '.join(PROGRAMS)}")
         if args.layer_loop not in (None, "auto", "scan", "unroll"):
             raise ValueError(f"--layer-loop {args.layer_loop!r}; valid: auto, scan, unroll")
+        xla = {}
+        for item in args.xla:
+            key, sep, value = item.partition("=")
+            if not sep or not key.startswith("xla_"):
+                raise ValueError(f"--xla {item!r}: want OPTION=VALUE with an xla_ option name")
+            xla[key] = value
         gpu_targets.check_plugin()
     except (ValueError, gpu_targets.PluginMissingError) as e:
         return _fail(str(e))
@@ -153,7 +161,7 @@ def main(argv=None) -> int:
             program = build_program(name, model, batch=0, context=args.context, mesh=mesh,
                                     run=run_settings(cfg))
             report = inspect_program(program, args.target, mesh, hlo_dir=args.hlo_dir,
-                                     tag=f"{name}_{args.target}_x{args.devices}")
+                                     tag=f"{name}_{args.target}_x{args.devices}", xla_options=xla)
             report["batch"] = program.args[-1].shape[0] if name == "grpo_update" else None
             reports.append(report)
             print(_row(report), flush=True)
@@ -163,7 +171,8 @@ def main(argv=None) -> int:
                                     prompt_len=prompt_len,
                                     draft_vocab=cfg.draft.draft_vocab_size or 32_000)
             report = inspect_program(program, args.target, one, hlo_dir=args.hlo_dir,
-                                     tag=f"{name}_b{batch}_{args.target}_{model.layer_loop}")
+                                     tag=f"{name}_b{batch}_{args.target}_{model.layer_loop}",
+                                     xla_options=xla)
             report.update(batch=batch, context=args.context, layer_loop=model.layer_loop,
                           config=args.config)
             reports.append(report)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TARGETS", "GpuTarget", "PluginMissingError", "check_plugin", "mesh", "target",
-           "topology"]
+__all__ = ["TARGETS", "GpuTarget", "PluginMissingError", "check_plugin", "mesh",
+           "plugin_installed", "target", "topology"]
 
 _HERE = Path(__file__).parent
 INSTALL_HINT = ('pip install -e ".[gpu-aot]"  (jax[cuda12] at the installed jax version, '
@@ -76,10 +76,18 @@ def target(name: str) -> GpuTarget:
     return TARGETS[name]
 
 
+def plugin_installed() -> bool:
+    """Whether jax's CUDA plugin (jax_plugins.xla_cuda12) is installed here."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
 def check_plugin() -> None:
-    """Raises PluginMissingError (with how to install it) unless jax's CUDA plugin imports,
-    and sets the environment a GPU compile on a machine without one needs."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    """Raises PluginMissingError (with how to install it) unless jax's CUDA plugin is
+    installed, and sets the environment a GPU compile on a machine without one needs."""
+    if not plugin_installed():
         raise PluginMissingError(f"jax's CUDA plugin (jax_plugins.xla_cuda12) is not "
                                  f"installed: {INSTALL_HINT}")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")

@@ -11,14 +11,14 @@ fusion and scheduling, the kernels the device runs). `loop_costs(module)` then w
   once, a conditional's costliest branch). Two refinements follow what the kernels read:
   a fusion operand that the fused computation only slices (dynamic-slice, slice, gather,
   through bitcasts) is charged the slices' sizes, not the whole operand's; and a fusion
-  whose result is a dynamic-update-slice of an operand (updated in place) is charged the
-  update's size for the write and nothing for that operand. Register- and cache-resident
+  whose result is a dynamic-update-slice or a scatter into an operand (updated in place) is
+  charged the update's size for the write and nothing for that operand. Register- and cache-resident
   reuse is not modelled: a tensor read by two kernels is charged twice, as HBM would see it
   when it does not fit in L2.
 - **kernels launched**: the same kernel-running instructions, counted with the same nesting.
 - **copies**: every `copy`/`copy-start` instruction, and every fusion whose computation only
-  moves data (no arithmetic), with its size and its `op_name` metadata (which jax operation
-  it came from).
+  moves data (no arithmetic; an in-place dynamic-update-slice, a cache write, is not one),
+  with the size it writes and its `op_name` metadata (which jax operation it came from).
 - **command buffers**: the kernels that run inside XLA's command buffers (CUDA graphs),
   i.e. under a `call` to a computation XLA named `command_buffer...`.
 
@@ -48,8 +48,7 @@ _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "afte
 _CONTROL = {"while", "call", "conditional"}
 _SLICERS = {"dynamic-slice", "slice", "gather"}
 _MOVERS = {"parameter", "bitcast", "copy", "transpose", "reshape", "dynamic-slice", "slice",
-           "broadcast", "constant", "tuple", "get-tuple-element", "concatenate", "pad",
-           "dynamic-update-slice"}
+           "broadcast", "constant", "tuple", "get-tuple-element", "concatenate", "pad"}
 
 
 def shape_bytes(shape: str) -> int:
@@ -234,12 +233,13 @@ def _fusion_bytes(module: Module, inst: Instruction, comp: Computation) -> int:
         node = r
         while node.opcode == "bitcast":
             node = fused.instructions[node.operands[0]]
-        if node.opcode == "dynamic-update-slice":
+        if node.opcode in ("dynamic-update-slice", "scatter"):
             buf = fused.instructions[node.operands[0]]
             while buf.opcode == "bitcast":
                 buf = fused.instructions[buf.operands[0]]
+            update = node.operands[1 if node.opcode == "dynamic-update-slice" else 2]
             if buf.opcode == "parameter":
-                in_place[buf.name] = (r.name, fused.instructions[node.operands[1]].bytes)
+                in_place[buf.name] = (r.name, fused.instructions[update].bytes)
     written = 0
     for r in roots:
         hit = [v for v in in_place.values() if v[0] == r.name]
@@ -264,7 +264,7 @@ def _read_bytes(fused: Computation, inst: Instruction) -> int:
             total += _read_bytes(fused, u)
         elif u.opcode in _SLICERS and u.operands[0] == inst.name:
             total += u.bytes
-        elif u.opcode == "dynamic-update-slice" and u.operands[0] == inst.name:
+        elif u.opcode in ("dynamic-update-slice", "scatter") and u.operands[0] == inst.name:
             total += 0  # updated in place: not read
         else:
             return inst.bytes
@@ -313,9 +313,9 @@ def _walk(module: Module, comp: Computation, cost: LoopCost, times: int, in_buff
                 cost.unknown_trips += best.unknown_trips
             continue
         operands = [comp.instructions[o] for o in inst.operands if o in comp.instructions]
-        read = custom_reads(inst, operands) if custom_reads is not None else None
-        if read is not None:
-            moved = read + inst.bytes
+        given = custom_reads(inst, operands) if custom_reads is not None else None
+        if given is not None:
+            moved = given
         elif op == "fusion":
             moved = _fusion_bytes(module, inst, comp)
         else:
@@ -326,8 +326,8 @@ def _walk(module: Module, comp: Computation, cost: LoopCost, times: int, in_buff
         cost.command_buffer_kernels += times if in_buffer else 0
         cost.largest.append((times * moved, inst.name, inst.op_name))
         if op in ("copy", "copy-start") or (op == "fusion" and _is_mover(module, inst)):
-            cost.copies.append(Copy(inst.name, inst.bytes if op == "copy" else moved,
-                                    inst.op_name, op if op != "fusion" else inst.name, times))
+            cost.copies.append(Copy(inst.name, inst.bytes, inst.op_name,
+                                    op if op != "fusion" else inst.name, times))
 
 
 def loop_costs(module: Module, unknown_trip: Callable[[Instruction], int] = lambda inst: 1,
@@ -335,9 +335,9 @@ def loop_costs(module: Module, unknown_trip: Callable[[Instruction], int] = lamb
     """Per-iteration costs of the entry computation's `while` loops (outermost ones), each
     with its `top` costliest kernels in `largest` as (bytes, name, op_name).
 
-    `custom_reads(instruction, operand_instructions)` may give the bytes an instruction reads
-    (a kernel that reads part of an operand, which the HLO cannot show); None: the rules
-    above."""
+    `custom_reads(instruction, operand_instructions)` may give the bytes an instruction
+    moves, read and written (a kernel that reads part of an operand, or returns an aliased
+    input it never writes, which the HLO cannot show); None: the rules above."""
     out = []
     for inst in module.entry.instructions.values():
         if inst.opcode != "while":

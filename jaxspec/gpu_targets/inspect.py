@@ -100,18 +100,25 @@ def floor_bytes(cfg, batch: int, fed: int, context: int, *, embed_rows: bool = T
     }
 
 
+def _stack_rows(shape: str) -> int:
+    """The leading dimension of a rank-5 array shape (a stacked cache's layers), else 1."""
+    dims = hlo._ARRAY.findall(shape)
+    if len(dims) != 1 or len(dims[0][1].split(",")) != 5:
+        return 1
+    return int(dims[0][1].split(",")[0])
+
+
 def stacked_attention_reads(inst, operands) -> int | None:
-    """Bytes a jaxspec Pallas `tree_attention` call reads: one layer of each stacked
-    (5-D) KV operand, every other operand whole. None for other instructions."""
+    """Bytes a jaxspec Pallas `tree_attention` call moves: one layer of each stacked (5-D)
+    KV operand read, the other operands read whole, and its own outputs written except the
+    stacks it passes through (aliased to its inputs, never written). None for other
+    instructions."""
     if inst.opcode != "custom-call" or "tree_attention" not in inst.op_name:
         return None
-    total = 0
-    for op in operands:
-        dims = hlo._ARRAY.findall(op.shape)
-        rank = len(dims[0][1].split(",")) if len(dims) == 1 and dims[0][1] else 0
-        lead = int(dims[0][1].split(",")[0]) if rank == 5 else 1
-        total += op.bytes // lead
-    return total
+    read = sum(op.bytes // _stack_rows(op.shape) for op in operands)
+    outputs = [f"{t}[{d}]" for t, d in hlo._ARRAY.findall(inst.shape)]
+    written = sum(hlo.shape_bytes(o) for o in outputs if _stack_rows(o) == 1)
+    return read + written
 
 
 def thunk_kernels(text: str) -> dict:
@@ -161,12 +168,12 @@ def _abstract(tree, sharding):
 
 def _policy_for_decode(cfg, sharding):
     """The abstract policy as `generate` decodes with it on this platform (per-layer
-    weights when `Policy.decodes_unrolled`), placed on `sharding`."""
+    weights and no stacked ones when `Policy.decodes_unrolled`), placed on `sharding`."""
     from jaxspec.models import Policy
 
     policy = Policy.abstract(cfg)
-    if policy.decodes_unrolled(0, 0):
-        policy = jax.eval_shape(lambda p: p.unstack_layers(), policy)
+    if policy.decodes_unrolled(0, 0):  # as jaxspec.decoding.decoding_policy attaches them
+        policy = jax.eval_shape(lambda p: p.unstack_layers().without_stacked_layers(), policy)
     return _abstract(policy, sharding)
 
 
@@ -255,7 +262,9 @@ def build_program(name: str, cfg, *, batch: int, context: int, mesh, prompt_len:
         item = jnp.dtype(cfg.param_dtype).itemsize
         hl = head.config.layer
         parts = floor_bytes(hl, batch, 1, context, embed_rows=False)
-        parts["weights"] = _param_bytes(head.params)  # fc, the layer, norms, its LM head
+        # The layer, norms and the LM head over the draft vocabulary; not `fc`, which only
+        # the first draft step after a verify applies (to the policy's features).
+        parts["weights"] = _param_bytes(head.params) - _param_bytes(head.params["fc"])
         parts["embedding rows"] = batch * cfg.hidden_size * item  # the policy's embedding
 
         def fn(policy, head, cache, tokens, hidden):
@@ -343,8 +352,10 @@ def _optim_spec(run):
     return OptimSpec(**run.get("optim", {}))
 
 
-def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: str = "") -> dict:
-    """Compiles `program` for `target` on `mesh` and returns its report (a JSON-able dict)."""
+def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: str = "",
+                    xla_options: dict | None = None) -> dict:
+    """Compiles `program` for `target` on `mesh` and returns its report (a JSON-able dict);
+    `xla_options`: extra XLA compile options (e.g. {"xla_gpu_enable_command_buffer": ""})."""
     from jaxspec.kernels import target_platform
 
     gpu = gpu_targets.target(target)
@@ -352,7 +363,7 @@ def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: s
     with tempfile.TemporaryDirectory() as dump, target_platform("gpu"), jax.set_mesh(mesh):
         lowered = jax.jit(program.fn, donate_argnums=program.donate).trace(*program.args).lower(
             lowering_platforms=("cuda",))
-        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        compiled = lowered.compile(compiler_options={**(xla_options or {}), "xla_dump_to": dump})
         thunks = sorted(pathlib.Path(dump).glob("*thunk_sequence_after_thunk_passes.txt"))
         thunk_text = thunks[-1].read_text() if thunks else ""
     seconds = time.perf_counter() - start

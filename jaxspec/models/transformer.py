@@ -267,6 +267,33 @@ class Policy:
             jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers)
         ))
 
+    def without_stacked_layers(self) -> Policy:
+        """This policy, with per-layer weights attached (`unstack_layers`), minus the stacked
+        layer weights: each stacked leaf becomes an empty array (0 layers), so a program
+        that only runs the unrolled forward does not take them as arguments.
+
+        XLA counts a program's arguments against its memory limit and rematerialises (runs
+        matmuls again) past it: an H100 decode step of a Qwen3-8B shape at batch 64 over a
+        2k cache took both weight copies (31.6 GB) plus the cache (19.3 GB), went past the
+        limit and recomputed matmuls (docs/results/gpu_programs.json). The stacked weights
+        live on in the caller's policy; only this view drops them. Its scanned forward is an
+        error (nothing to scan)."""
+        if self.layer_params is None:
+            raise ValueError("without_stacked_layers: attach the per-layer weights first "
+                             "(unstack_layers); the forward would have no layers")
+        params = nnx.State(dict(self.params))
+        params["layers"] = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((0,) + tuple(a.shape[1:]), a.dtype)
+            if isinstance(a, jax.ShapeDtypeStruct) else jnp.zeros((0,) + a.shape[1:], a.dtype),
+            self.params["layers"])
+        return self.replace(params=params)
+
+    @property
+    def stacked_layers_dropped(self) -> bool:
+        """Whether the stacked layer weights were dropped (`without_stacked_layers`)."""
+        leaf = jax.tree.leaves(self.params["layers"])[0]
+        return leaf.shape[0] == 0
+
     def decodes_unrolled(self, cache_max_len: int, batch: int) -> bool:
         """Whether decoding with a cache of `cache_max_len` slots per row unrolls the layers:
         `model.layer_loop`, where "auto" unrolls on CPU and GPU (the platform programs are
@@ -333,6 +360,9 @@ class Policy:
 
     def _forward(self, tokens, positions, cache, *, mask, capture, head):
         cfg = self.config
+        if self.layer_params is None and self.stacked_layers_dropped:
+            raise ValueError("forward: this policy's stacked layer weights were dropped "
+                             "(without_stacked_layers) and no per-layer weights are attached")
         tokens = jnp.asarray(tokens)
         positions = jnp.asarray(positions)
         if tokens.ndim != 2 or positions.shape != tokens.shape:
