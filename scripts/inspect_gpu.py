@@ -100,7 +100,7 @@ def _row(r: dict) -> str:
     ratio = f"{r['ratio']:.3f}x" if r["ratio"] is not None else "-"
     mem = r["memory_per_device"]["total"] / gb
     extra = f"  flops-bound {r['flops_time_ms']:.0f} ms" if "flops_time_ms" in r else ""
-    return (f"{r['program']:<13} {r.get('batch', '-'):>5} {r['bytes'] / gb:>9.3f} "
+    return (f"{r['program']:<13} {r.get('batch') or '-':>5} {r['bytes'] / gb:>9.3f} "
             f"{r['floor'] / gb:>9.3f} {ratio:>8} {copies:>6} {r['kernels_hlo']:>7} "
             f"{th.get('kernels', '-'):>6} {th.get('in_command_buffer', '-'):>6} "
             f"{mem:>8.2f}  ({r['compile_s']:.0f} s){extra}")
@@ -144,6 +144,12 @@ def main(argv=None) -> int:
         return _fail(str(e))
     if args.layer_loop is not None:
         model = model.replace(layer_loop=args.layer_loop)
+    from jaxspec.kernels import jax_triton_available
+
+    if model.attention_backend == "triton" and not jax_triton_available():
+        return _fail("model.attention_backend='triton' needs jax-triton, which does not import "
+                     "here (pip install -e '.[gpu]' beside the CUDA plugin); or inspect the "
+                     "Pallas kernel instead: add the override model.attention_backend=auto")
     prompt_len = min(args.prompt_len or cfg.rollout.max_prompt_len, args.context)
 
     from jaxspec.gpu_targets.inspect import build_program, inspect_program
@@ -162,7 +168,7 @@ def main(argv=None) -> int:
                                     run=run_settings(cfg))
             report = inspect_program(program, args.target, mesh, hlo_dir=args.hlo_dir,
                                      tag=f"{name}_{args.target}_x{args.devices}", xla_options=xla)
-            report["batch"] = program.args[-1].shape[0] if name == "grpo_update" else None
+            report["batch"] = run_settings(cfg)["batch"]
             reports.append(report)
             print(_row(report), flush=True)
             continue
