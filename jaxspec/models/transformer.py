@@ -130,14 +130,16 @@ class Transformer(nnx.Module):
                 k_out.append(k_layer)
                 v_out.append(v_layer)
             k_new, v_new = jnp.stack(k_out), jnp.stack(v_out)
-        else:  # one scan; every layer reads the stacks it closes over
+        else:  # one scan, the stacks in its carry as each layer's attention passed them on
+            # (read as closure constants, a kernel that passes them on, aliased, would have
+            # XLA copy the whole stack for every layer: the scan needs them unchanged)
             def body(carry, xs):
-                x, captured, k_new, v_new, _, _ = run_layer(*carry, *xs, k_cache, v_cache)
-                return (x, captured), (k_new, v_new)
+                x, captured, k_new, v_new, k_stack, v_stack = run_layer(*carry[:2], *xs, *carry[2:])
+                return (x, captured, k_stack, v_stack), (k_new, v_new)
 
             indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            (x, captured), (k_new, v_new) = jax.lax.scan(
-                body, (x, captured), (layer_params, indices)
+            (x, captured, k_cache, v_cache), (k_new, v_new) = jax.lax.scan(
+                body, (x, captured, k_cache, v_cache), (layer_params, indices)
             )
         x = self.norm(x)
         return (self.logits(x) if head else x), captured, k_new, v_new, k_cache, v_cache
