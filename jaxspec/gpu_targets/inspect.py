@@ -179,7 +179,16 @@ def _policy_for_decode(cfg, sharding):
 
 def build_program(name: str, cfg, *, batch: int, context: int, mesh, prompt_len: int = 1024,
                   draft_vocab: int = 32_000, run=None) -> Program:
-    """The abstract program `name` (one of PROGRAMS) for model config `cfg`."""
+    """The abstract program `name` (one of PROGRAMS) for model config `cfg`, built as on a
+    GPU (`kernels.target_platform("gpu")`: e.g. the layer loop `generate` would pick)."""
+    from jaxspec.kernels import target_platform
+
+    with target_platform("gpu"):
+        return _build_program(name, cfg, batch=batch, context=context, mesh=mesh,
+                              prompt_len=prompt_len, draft_vocab=draft_vocab, run=run)
+
+
+def _build_program(name, cfg, *, batch, context, mesh, prompt_len, draft_vocab, run) -> Program:
     from jaxspec.models import KVCache
     from jaxspec.models.cache import compact
 
