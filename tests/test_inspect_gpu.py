@@ -2,7 +2,6 @@
 decisions, its bad-input errors, and (where jax's CUDA plugin is installed) a small policy's
 decode loop compiled for an H100 with no weight-sized copy in the loop body."""
 
-import importlib.util
 import subprocess
 import sys
 
@@ -14,7 +13,13 @@ import pytest
 from jaxspec import gpu_targets
 from jaxspec.gpu_targets import hlo
 from jaxspec.gpu_targets.inspect import stacked_attention_reads, thunk_kernels
-from jaxspec.kernels import CacheLayer, platform, resolve_backend, target_platform, tree_attention
+from jaxspec.kernels import (
+    CacheLayer,
+    platform,
+    resolve_backend,
+    target_platform,
+    tree_attention,
+)
 from jaxspec.kernels.reference import tree_attention_reference
 from jaxspec.models import ModelConfig, Policy
 
@@ -265,7 +270,7 @@ def test_missing_plugin_says_how_to_install(monkeypatch):
 
 
 def test_target_configs_match_the_published_figures():
-    for name, gpu in gpu_targets.TARGETS.items():
+    for gpu in gpu_targets.TARGETS.values():
         text = gpu.config_text
         assert f"device_memory_size: {gpu.hbm_bytes}" in text
         assert f"memory_bandwidth: {int(gpu.hbm_bandwidth)}" in text

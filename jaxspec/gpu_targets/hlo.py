@@ -30,10 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from collections.abc import Callable
 
-__all__ = ["Computation", "Instruction", "LoopCost", "Module", "loop_costs", "parse",
-           "shape_bytes", "program_cost"]
+__all__ = [
+    "Computation",
+    "Instruction",
+    "LoopCost",
+    "Module",
+    "loop_costs",
+    "parse",
+    "program_cost",
+    "shape_bytes",
+]
 
 _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
           "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,

@@ -32,13 +32,11 @@ inspector sets context = capacity, so that is the live KV).
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 import pathlib
 import re
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +45,16 @@ import numpy as np
 from jaxspec import gpu_targets
 from jaxspec.gpu_targets import hlo
 
-__all__ = ["PROGRAMS", "DECODE_PROGRAMS", "Program", "inspect_program", "build_program",
-           "floor_bytes", "thunk_kernels", "stacked_attention_reads"]
+__all__ = [
+    "DECODE_PROGRAMS",
+    "PROGRAMS",
+    "Program",
+    "build_program",
+    "floor_bytes",
+    "inspect_program",
+    "stacked_attention_reads",
+    "thunk_kernels",
+]
 
 DECODE_PROGRAMS = ("decode", "verify_k3", "tree_n16", "refill", "eagle3_draft")
 PROGRAMS = DECODE_PROGRAMS + ("grpo_score", "grpo_update")
@@ -157,7 +163,8 @@ def thunk_kernels(text: str) -> dict:
 
 
 def _replicated(mesh):
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     return NamedSharding(mesh, P())
 
@@ -302,7 +309,12 @@ def _grpo_program(name, cfg, mesh, run) -> Program:
     from jaxspec.models import Policy
     from jaxspec.models.config import default_eagle3_layers
     from jaxspec.rl.grpo import GRPOConfig
-    from jaxspec.rl.steps import POLICY_INPUTS, make_optimizer, policy_update, score_rollouts
+    from jaxspec.rl.steps import (
+        POLICY_INPUTS,
+        make_optimizer,
+        policy_update,
+        score_rollouts,
+    )
 
     policy = Policy.abstract(cfg)
 
@@ -382,7 +394,7 @@ def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: s
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{tag or program.name}.hlo.txt").write_text(text)
     module = hlo.parse(text)
-    trip = lambda inst: program.unknown_trip  # noqa: E731
+    trip = lambda inst: program.unknown_trip
     if program.loop:
         loops = hlo.loop_costs(module, trip, custom_reads=stacked_attention_reads)
         cost = max(loops, key=lambda c: c.bytes)
