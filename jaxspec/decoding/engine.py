@@ -42,6 +42,7 @@ from jaxspec.decoding.drafters import NoDrafter
 from jaxspec.decoding.protocols import DraftContext, Drafter, Finished, Observation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.verify import replay_noise, verify
+from jaxspec.kernels import platform
 from jaxspec.models import KVCache, Policy, compact
 
 
@@ -322,7 +323,7 @@ def decoding_policy(policy: Policy) -> Policy:
         return policy
     leaves = jax.tree.leaves(policy.params)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):  # under a trace: nothing to keep
-        return policy.unstack_layers()
+        return policy.unstack_layers().without_stacked_layers()
     with _UNSTACKED_LOCK:
         entry = _UNSTACKED[0] if _UNSTACKED else None
         if entry is None or len(entry[0]) != len(leaves) or any(
@@ -331,7 +332,9 @@ def decoding_policy(policy: Policy) -> Policy:
             entry = ([weakref.ref(x) for x in leaves], _unstack(policy))
             _UNSTACKED.append(entry)
             weakref.finalize(leaves[0], _forget, entry)
-    return policy.replace(layer_params=entry[1])
+    # Without the stacked weights: the programs take the per-layer copies only (XLA counts
+    # arguments against its memory limit; Policy.without_stacked_layers).
+    return policy.replace(layer_params=entry[1]).without_stacked_layers()
 
 
 _FIRST_CAPACITY = 64  # cache slots of the first segment when the cache grows
@@ -343,7 +346,7 @@ def _capacity_tiers(policy, drafter, batch: int, width: int, nodes: int, max_len
     power of two >= max(_FIRST_CAPACITY, 2 (width + nodes + 1)), doubled while the double
     still fits in max_len, then max_len (a max_len under twice the first: just [max_len])."""
     if grow_cache is None:
-        grow_cache = jax.default_backend() == "cpu"
+        grow_cache = platform() == "cpu"  # the target's platform (jaxspec.kernels.platform)
     elif not isinstance(grow_cache, bool):
         raise ValueError(f"grow_cache must be True, False or None (auto: CPU only); got "
                          f"{args.describe(grow_cache)}")

@@ -9,6 +9,9 @@
 - ``triton``: a Triton kernel called through jax-triton (CUDA only, imported lazily);
 - ``auto``: reference on CPU/TPU; on GPU triton if jax_triton imports, else pallas.
 
+"GPU" is the platform programs are built for (`kernels.platform.platform()`): JAX's backend,
+or a GPU target compiled for from a machine without one (`target_platform`).
+
 Kernel backends are differentiable: their VJP recomputes the reference's (the
 forward pass is the fast one; training-time attention goes through the reference
 math anyway).
@@ -20,6 +23,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.kernels.blocked import (
     CacheLayer,
@@ -27,13 +31,14 @@ from jaxspec.kernels.blocked import (
     layer_array,
     tree_attention_blocked,
 )
+from jaxspec.kernels.platform import platform, target_platform
 from jaxspec.kernels.reference import tree_attention_reference
 
 BACKENDS = ("auto", "reference", "pallas", "triton")
 
 
 def _platform() -> str:
-    return jax.default_backend()  # "cpu", "gpu" (CUDA and ROCm) or "tpu"
+    return platform()  # "cpu", "gpu" (CUDA and ROCm) or "tpu": the target (kernels.platform)
 
 
 @functools.cache
@@ -100,35 +105,50 @@ class _KernelCall:
     scale: float | None
     knobs: tuple[tuple[str, object], ...]
 
-    def __call__(self, *args):
-        if self.backend == "pallas":
-            from jaxspec.kernels.pallas import tree_attention_pallas as fn
-        else:
-            from jaxspec.kernels.triton_backend import tree_attention_triton as fn
-        return fn(*args, scale=self.scale, **dict(self.knobs))
+    def __call__(self, q, k_cache, v_cache, layer, *rest):
+        if self.backend == "pallas":  # reads a stacked cache's layer in place
+            from jaxspec.kernels.pallas import tree_attention_pallas
+
+            out = tree_attention_pallas(q, k_cache, v_cache, *rest, scale=self.scale,
+                                        layer=layer, **dict(self.knobs))
+            return out if layer is not None else (out, k_cache, v_cache)
+        from jaxspec.kernels.triton_backend import tree_attention_triton
+
+        k_layer, v_layer = k_cache, v_cache
+        if layer is not None:
+            k_layer, v_layer = CacheLayer(k_cache, layer).read(), CacheLayer(v_cache, layer).read()
+        out = tree_attention_triton(q, k_layer, v_layer, *rest, scale=self.scale,
+                                    **dict(self.knobs))
+        return out, k_cache, v_cache
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _kernel_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, call):
-    return call(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _kernel_attention(q, k_cache, v_cache, layer, cache_lengths, k_new, v_new, tree_mask, call):
+    """-> (out, k_cache, v_cache): the caches as the kernel passed them on (stacked caches
+    with a layer: threaded through the Pallas kernel; otherwise the inputs)."""
+    return call(q, k_cache, v_cache, layer, cache_lengths, k_new, v_new, tree_mask)
 
 
-def _kernel_attention_fwd(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, call):
-    out = call(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
-    return out, (q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask)
+def _kernel_attention_fwd(q, k_cache, v_cache, layer, cache_lengths, k_new, v_new, tree_mask,
+                          call):
+    outs = call(q, k_cache, v_cache, layer, cache_lengths, k_new, v_new, tree_mask)
+    return outs, (q, k_cache, v_cache, layer, cache_lengths, k_new, v_new, tree_mask)
 
 
-def _kernel_attention_bwd(call, residuals, g):
-    q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask = residuals
+def _kernel_attention_bwd(call, residuals, gs):
+    q, k_cache, v_cache, layer, cache_lengths, k_new, v_new, tree_mask = residuals
+    g, g_k, g_v = gs  # the caches pass through: their cotangents flow straight back
 
     def reference(q, k_cache, v_cache, k_new, v_new):
+        if layer is not None:  # stacked caches: the layer's slice, differentiably
+            k_cache, v_cache = CacheLayer(k_cache, layer).read(), CacheLayer(v_cache, layer).read()
         return tree_attention_reference(
             q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=call.scale
         )
 
     _, vjp = jax.vjp(reference, q, k_cache, v_cache, k_new, v_new)
     dq, dk, dv, dkn, dvn = vjp(g)
-    return dq, dk, dv, None, dkn, dvn, None
+    return dq, dk + g_k, dv + g_v, None, None, dkn, dvn, None
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
@@ -174,9 +194,15 @@ def tree_attention(
             block_k=block_k, thread=thread,
         )
     given = (k_cache, v_cache)
-    # Kernels take one layer's array, in the new keys' dtype (a no-op when the cache has it).
-    k_cache = layer_array(k_cache).astype(k_new.dtype)
-    v_cache = layer_array(v_cache).astype(v_new.dtype)
+    layer = None
+    if name == "pallas" and isinstance(k_cache, CacheLayer) and k_cache.dtype == k_new.dtype \
+            and isinstance(v_cache, CacheLayer) and v_cache.dtype == v_new.dtype:
+        # The Pallas kernel reads the layer of the stacked cache in place (no per-layer copy).
+        k_cache, v_cache, layer = k_cache.stack, v_cache.stack, jnp.asarray(k_cache.index, jnp.int32)
+    else:
+        # One layer's array, in the new keys' dtype (a no-op when the cache has it).
+        k_cache = layer_array(k_cache).astype(k_new.dtype)
+        v_cache = layer_array(v_cache).astype(v_new.dtype)
     dtypes = {x.dtype for x in (q, k_cache, v_cache, k_new, v_new)}
     if len(dtypes) != 1:
         raise ValueError(
@@ -200,8 +226,14 @@ def tree_attention(
         )
     knobs = tuple(sorted((k, v) for k, v in knobs.items() if v is not None))
     call = _KernelCall(name, None if scale is None else float(scale), knobs)
-    out = _kernel_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, call)
-    return (out, *given) if thread else out
+    out, k_cache, v_cache = _kernel_attention(q, k_cache, v_cache, layer, cache_lengths, k_new,
+                                              v_new, tree_mask, call)
+    if not thread:
+        return out
+    if layer is None:
+        return (out, *given)
+    # The stacks as the kernel passed them on: later layers and the cache write use these.
+    return out, CacheLayer(k_cache, given[0].index), CacheLayer(v_cache, given[1].index)
 
 
 __all__ = [
@@ -210,7 +242,9 @@ __all__ = [
     "WithAncestors",
     "jax_triton_available",
     "layer_array",
+    "platform",
     "resolve_backend",
+    "target_platform",
     "tree_attention",
     "tree_attention_blocked",
     "tree_attention_reference",

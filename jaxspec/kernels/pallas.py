@@ -58,23 +58,25 @@ def _online_softmax_step(carry, scores, allowed, v):
 
 def _tree_attention_kernel(
     len_ref,  # [] int32: this row's cache length
+    layer_ref,  # [] int32: the layer of the stacked cache to read
     q_ref,  # [block_r, d]
-    k_ref,  # [s, d]: this row's and kv head's cache
-    v_ref,  # [s, d]
+    k_ref,  # [layers, b, s, kv_heads, d]: the whole stacked cache, read in place
+    v_ref,  # [layers, b, s, kv_heads, d]
     kn_ref,  # [n_pad, d]: tree keys
     vn_ref,  # [n_pad, d]
     mask_ref,  # [block_r, n_pad] int8: query row may attend to tree node
     o_ref,  # [block_r, d] float32, unnormalised
     m_ref,  # [block_r] float32
     l_ref,  # [block_r] float32
-    *,
+    *unchanged,  # the stacked caches' aliased outputs (threaded through, never written)
     scale: float,
     block_k: int,
     block_n: int,
     chunk_blocks: int,
 ):
-    split = pl.program_id(3)
-    cache_len = k_ref.shape[0]
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
+    cache_len = k_ref.shape[2]
+    layer = layer_ref[...]
     length = len_ref[...]
     q = q_ref[...]
     rows = q.shape[0]
@@ -94,8 +96,8 @@ def _tree_attention_kernel(
             start = pl.multiple_of(i * block_k, block_k)
         idx = start + jnp.arange(block_k, dtype=jnp.int32)
         allowed = ((idx >= i * block_k) & (idx < length))[None, :]
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
+        k = k_ref[layer, row, pl.ds(start, block_k), head, :]
+        v = v_ref[layer, row, pl.ds(start, block_k), head, :]
         return _online_softmax_step(carry, _dot_t(q, k) * scale, allowed, v)
 
     lo = split * chunk_blocks
@@ -149,8 +151,18 @@ def tree_attention_pallas(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    layer=None,
 ):
     """Same function as `tree_attention_reference`; the knobs never change the math.
+
+    With `layer` (an int32 scalar, may be traced), k_cache and v_cache are stacked caches
+    [layers, batch, max_len, kv_heads, head_dim] and the kernel reads layer `layer` of them
+    in place: slicing the layer out first is a copy of the whole layer at every call (a
+    layer loop's operands are materialised buffers), which on a GPU costs more than the
+    attention reads. It then returns (out, k_cache, v_cache): the stacks passed through the
+    kernel as outputs aliased to its inputs, unchanged, for the caller to go on with, so that
+    a layer loop's reads and the cache write form one chain of uses of one buffer and XLA
+    copies no stack (kernels.blocked threads the reference backend's the same way).
 
     block_k: cached positions per inner step; block_r: query rows per program;
     block_n: tree nodes per inner step; kv_splits: prefix chunks per (row, kv head)
@@ -160,15 +172,21 @@ def tree_attention_pallas(
     """
     check_block("block_k", block_k)
     check_block("block_n", block_n)
+    stacked = layer is not None
+    given = (k_cache, v_cache)
+    if not stacked:  # one layer's cache: a stack of one (a free reshape)
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     b, n, hq, d = q.shape
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    s, hkv = k_cache.shape[2], k_cache.shape[3]
     g = hq // hkv
     scale = float(d**-0.5 if scale is None else scale)
 
     d_pad = max(MIN_BLOCK, next_pow2(d))
     s_pad = max(MIN_BLOCK, s)
+    thread = stacked and d_pad == d and s_pad == s  # a padded stack is a copy: not threaded
     if d_pad != d or s_pad != s:
-        pad_cache = ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))
+        pad_cache = ((0, 0), (0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))
         k_cache, v_cache = jnp.pad(k_cache, pad_cache), jnp.pad(v_cache, pad_cache)
         pad_d = ((0, 0), (0, 0), (0, 0), (0, d_pad - d))
         q, k_new, v_new = jnp.pad(q, pad_d), jnp.pad(k_new, pad_d), jnp.pad(v_new, pad_d)
@@ -195,18 +213,22 @@ def tree_attention_pallas(
     kernel = functools.partial(
         _tree_attention_kernel, scale=scale, block_k=bk, block_n=bn, chunk_blocks=chunk
     )
-    kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), lambda i, h, r, j: (i, 0, h, 0))
+    # The whole stack, unblocked: the kernel indexes its (layer, row, head) itself.
+    kv_spec = pl.BlockSpec(k_cache.shape, lambda i, h, r, j: (0, 0, 0, 0, 0))
     new_spec = pl.BlockSpec((None, n_pad, None, d_pad), lambda i, h, r, j: (i, 0, h, 0))
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    o, m, l = pl.pallas_call(
+    stack_specs = [kv_spec, kv_spec] if thread else []
+    stack_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_cache, v_cache)]
+    o, m, l, *stacks = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, splits),
         in_specs=[
             pl.BlockSpec((None,), lambda i, h, r, j: (i,)),
+            pl.BlockSpec((None,), lambda i, h, r, j: (0,)),
             pl.BlockSpec((None, None, br, d_pad), lambda i, h, r, j: (i, h, r, 0)),
             kv_spec,
             kv_spec,
@@ -218,17 +240,23 @@ def tree_attention_pallas(
             pl.BlockSpec((None, None, None, br, d_pad), lambda i, h, r, j: (i, h, j, r, 0)),
             pl.BlockSpec((None, None, None, br), lambda i, h, r, j: (i, h, j, r)),
             pl.BlockSpec((None, None, None, br), lambda i, h, r, j: (i, h, j, r)),
+            *stack_specs,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, hkv, splits, r_pad, d_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32),
+            *(stack_shapes if thread else []),
         ],
+        input_output_aliases={3: 3, 4: 4} if thread else {},
         compiler_params=compiler_params,
         interpret=interpret,
         name="tree_attention",
-    )(lengths, qg, k_cache, v_cache, k_new, v_new, mask_rows)
+    )(lengths, layer, qg, k_cache, v_cache, k_new, v_new, mask_rows)
 
     out = combine_splits(o, m, l, axis=2)  # [b, hkv, r_pad, d_pad]
     out = out[:, :, :rows, :d].reshape(b, hkv, n, g, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(b, n, hq, d).astype(q.dtype)
+    out = out.reshape(b, n, hq, d).astype(q.dtype)
+    if not stacked:
+        return out
+    return (out, *stacks) if thread else (out, *given)

@@ -53,9 +53,9 @@ class ModelConfig:
     # attention_backend and costs speed.
     batch_invariant: bool = False
     # How decoding runs the layers: one scan over the stacked weights, or unrolled over
-    # per-layer copies made once per generate call (on CPU a scan copies each layer's
-    # weights per step); "auto": unrolled on CPU (never with batch_invariant, whose
-    # generation must match the scanned training forward bit for bit), scan elsewhere.
+    # per-layer copies made once per generate call (on CPU and GPU a scan copies each
+    # layer's weights per step); "auto": unrolled on CPU and GPU (never with batch_invariant,
+    # whose generation must match the scanned training forward bit for bit), scan on TPU.
     # Training always scans.
     layer_loop: str = "auto"
 

@@ -4,14 +4,15 @@ One forward serves prefill (ragged prompts), decode (T=1) and draft-tree verific
 (T=N+1 fed tokens under an ancestor mask). Layers are stacked on a leading `layers` axis
 and run by one `jax.lax.scan`, so compile time and HLO size do not grow with depth.
 
-Decoding on CPU may run them unrolled instead: inside a scan XLA's CPU backend copies each
-layer's weight slice before its matmuls, which halves the read bandwidth of a memory-bound
-decode step (docs/BENCHMARKS.md, "Layer weights"). `Policy.unstack_layers()` (called once
+Decoding on CPU and GPU runs them unrolled instead: inside a scan XLA copies each layer's
+weight slices before its matmuls (the CPU backend, and the GPU backend as a compile for an
+H100 shows), which halves the read bandwidth of a memory-bound decode step
+(docs/BENCHMARKS.md, "Layer weights"; docs/results/gpu_programs.json). `Policy.unstack_layers()` (called once
 per `generate`, outside its loop) gives the forward per-layer arrays to read in place; the
 parameters themselves stay stacked, so checkpoints, sharding and training are unchanged.
 The unrolled layers pass the stacked KV cache from one layer's attention to the next
 (`kernels.tree_attention(thread=True)`), so XLA keeps it in one buffer (`model.layer_loop:
-auto` unrolls on CPU: `Policy.decodes_unrolled`).
+auto` unrolls on CPU and GPU: `Policy.decodes_unrolled`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.kernels import CacheLayer
+from jaxspec.kernels import CacheLayer, platform
 from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig, matmul_precision
 from jaxspec.kernels.invariant import invariant_dot
 from jaxspec.models.layers import INIT_STD, DecoderLayer, RMSNorm, logical_param
 
-__all__ = ["Policy", "Transformer", "param_path", "random_policy"]
+__all__ = ["Policy", "Transformer", "UNROLL_PLATFORMS", "param_path", "random_policy"]
+
+# Where `model.layer_loop: auto` decodes over per-layer weights (Policy.decodes_unrolled).
+UNROLL_PLATFORMS = ("cpu", "gpu")
 
 
 # --------------------------------------------------------------------------- module
@@ -126,14 +130,16 @@ class Transformer(nnx.Module):
                 k_out.append(k_layer)
                 v_out.append(v_layer)
             k_new, v_new = jnp.stack(k_out), jnp.stack(v_out)
-        else:  # one scan; every layer reads the stacks it closes over
+        else:  # one scan, the stacks in its carry as each layer's attention passed them on
+            # (read as closure constants, a kernel that passes them on, aliased, would have
+            # XLA copy the whole stack for every layer: the scan needs them unchanged)
             def body(carry, xs):
-                x, captured, k_new, v_new, _, _ = run_layer(*carry, *xs, k_cache, v_cache)
-                return (x, captured), (k_new, v_new)
+                x, captured, k_new, v_new, k_stack, v_stack = run_layer(*carry[:2], *xs, *carry[2:])
+                return (x, captured, k_stack, v_stack), (k_new, v_new)
 
             indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            (x, captured), (k_new, v_new) = jax.lax.scan(
-                body, (x, captured), (layer_params, indices)
+            (x, captured, k_cache, v_cache), (k_new, v_new) = jax.lax.scan(
+                body, (x, captured, k_cache, v_cache), (layer_params, indices)
             )
         x = self.norm(x)
         return (self.logits(x) if head else x), captured, k_new, v_new, k_cache, v_cache
@@ -263,20 +269,51 @@ class Policy:
             jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers)
         ))
 
+    def without_stacked_layers(self) -> Policy:
+        """This policy, with per-layer weights attached (`unstack_layers`), minus the stacked
+        layer weights: each stacked leaf becomes an empty array (0 layers), so a program
+        that only runs the unrolled forward does not take them as arguments.
+
+        XLA counts a program's arguments against its memory limit and rematerialises (runs
+        matmuls again) past it: an H100 decode step of a Qwen3-8B shape at batch 64 over a
+        2k cache took both weight copies (31.6 GB) plus the cache (19.3 GB), went past the
+        limit and recomputed matmuls (docs/results/gpu_programs.json). The stacked weights
+        live on in the caller's policy; only this view drops them. Its scanned forward is an
+        error (nothing to scan)."""
+        if self.layer_params is None:
+            raise ValueError("without_stacked_layers: attach the per-layer weights first "
+                             "(unstack_layers); the forward would have no layers")
+        params = nnx.State(dict(self.params))
+        params["layers"] = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((0,) + tuple(a.shape[1:]), a.dtype)
+            if isinstance(a, jax.ShapeDtypeStruct) else jnp.zeros((0,) + a.shape[1:], a.dtype),
+            self.params["layers"])
+        return self.replace(params=params)
+
+    @property
+    def stacked_layers_dropped(self) -> bool:
+        """Whether the stacked layer weights were dropped (`without_stacked_layers`)."""
+        leaf = jax.tree.leaves(self.params["layers"])[0]
+        return leaf.shape[0] == 0
+
     def decodes_unrolled(self, cache_max_len: int, batch: int) -> bool:
         """Whether decoding with a cache of `cache_max_len` slots per row unrolls the layers:
-        `model.layer_loop`, where "auto" unrolls on CPU.
+        `model.layer_loop`, where "auto" unrolls on CPU and GPU (the platform programs are
+        built for, `kernels.platform()`: a GPU target compiled for from a CPU counts as GPU).
 
-        On CPU the scan copies each layer's weight slice at every step; the unrolled loop
-        reads per-layer copies made once per call and hands the KV cache from layer to layer
-        without copying it (docs/BENCHMARKS.md, "Layer weights"). Never with batch_invariant
-        (its generation must equal the scanned training forward bit for bit) and never off
-        CPU. (`cache_max_len` and `batch` no longer decide; kept for callers.)"""
+        Inside a scan over the stacked weights XLA copies each layer's weight slices before
+        its matmuls at every step, on CPU (docs/BENCHMARKS.md, "Layer weights") and on a GPU
+        alike (an H100 compile: 2.0x the bytes of the unrolled step, docs/results/
+        gpu_programs.json); the unrolled loop reads per-layer copies made once per call in
+        place and hands the KV cache from layer to layer without copying it. Never with
+        batch_invariant (its generation must equal the scanned training forward bit for
+        bit), and not on TPU (not measured there). (`cache_max_len` and `batch` no longer
+        decide; kept for callers.)"""
         del cache_max_len, batch
         loop = self.config.layer_loop
         if loop != "auto":
             return loop == "unroll"
-        return jax.default_backend() == "cpu" and not self.config.batch_invariant
+        return platform() in UNROLL_PLATFORMS and not self.config.batch_invariant
 
     @property
     def module(self) -> Transformer:
@@ -325,6 +362,9 @@ class Policy:
 
     def _forward(self, tokens, positions, cache, *, mask, capture, head):
         cfg = self.config
+        if self.layer_params is None and self.stacked_layers_dropped:
+            raise ValueError("forward: this policy's stacked layer weights were dropped "
+                             "(without_stacked_layers) and no per-layer weights are attached")
         tokens = jnp.asarray(tokens)
         positions = jnp.asarray(positions)
         if tokens.ndim != 2 or positions.shape != tokens.shape:

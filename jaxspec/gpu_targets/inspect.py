@@ -1,0 +1,433 @@
+"""Compile the programs a run executes on a GPU, without a GPU, and say what they cost.
+
+`inspect(...)` builds each program with abstract arguments on a mesh of target GPUs
+(`jaxspec.gpu_targets.mesh`), inside `kernels.target_platform("gpu")` so that the library's
+backend choices are the GPU's (the attention kernel, the layer loop), compiles it for CUDA,
+and reads the optimized HLO (`jaxspec.gpu_targets.hlo`) and XLA's thunk sequence (which
+kernels run inside a command buffer, i.e. a CUDA graph):
+
+- decode: one plain decode step (forward of 1 token per row, greedy pick) in a loop;
+- verify_k3: a chain verify step (forward of k + 1 = 4 tokens, acceptance, length rollback);
+- tree_n16: a tree verify step (forward of 16 tree nodes under an ancestor mask, the
+  accepted path compacted into the cache);
+- refill: a prefill of `prompt_len` tokens per row into the cache (no loop: the program);
+- eagle3_draft: one EAGLE-3 chain-draft step (the head's layer over 1 token, its LM head
+  over the draft vocabulary, greedy pick) in a loop;
+- grpo_score / grpo_update: the GRPO scoring forward and policy update of `jaxspec.rl.steps`
+  at the run's batch, fsdp over `devices` GPUs.
+
+Per program: HBM bytes moved per loop iteration (the method in `gpu_targets.hlo`) against a
+floor (the bytes the step must read: the weights it multiplies with once, the embedding rows
+it gathers, the live KV cache once, the new KV entries written once), copies over 1 MB
+inside the loop and their jax origin, kernels per iteration (from the HLO, and from XLA's
+thunks: how many inside a command buffer), and `memory_analysis()` per device. Training
+programs get the model-FLOPs bound too (2 N per token forward, 6 N per token with the
+backward, 8 N with each layer rematerialised, N the parameter count).
+
+Attention kernels (Pallas `tree_attention`) read one layer of the stacked KV cache that
+they receive whole: they are charged one layer of each 5-D operand at full capacity (the
+inspector sets context = capacity, so that is the live KV).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import tempfile
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import gpu_targets
+from jaxspec.gpu_targets import hlo
+
+__all__ = [
+    "DECODE_PROGRAMS",
+    "PROGRAMS",
+    "Program",
+    "build_program",
+    "floor_bytes",
+    "inspect_program",
+    "stacked_attention_reads",
+    "thunk_kernels",
+]
+
+DECODE_PROGRAMS = ("decode", "verify_k3", "tree_n16", "refill", "eagle3_draft")
+PROGRAMS = DECODE_PROGRAMS + ("grpo_score", "grpo_update")
+COPY_LIMIT = 1 << 20  # copies above 1 MB inside a loop body are reported
+LOOP_STEPS = 4  # iterations of each program's loop (the cost is per iteration)
+VERIFY_K = 3
+TREE_NODES = 16
+_WORK_THUNKS = re.compile(r"^\s*\d+: (k\w+)")
+_CONTAINERS = {"kCommandBuffer", "kWhile", "kConditional", "kSequential"}
+
+
+@dataclasses.dataclass
+class Program:
+    """A program to compile: `fn(*args)` with abstract, sharded args, and its floors."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    loop: bool  # the cost is per iteration of the entry's (largest) while loop
+    floor: float  # bytes the step must move at least
+    floor_parts: dict
+    flops: float = 0.0  # model FLOPs of the program (training programs)
+    donate: tuple = ()
+    unknown_trip: int = 1  # trip count for loops XLA could not count
+    notes: str = ""
+
+
+def _param_bytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def floor_bytes(cfg, batch: int, fed: int, context: int, *, embed_rows: bool = True) -> dict:
+    """The bytes a forward of `fed` tokens per row over `context` cached slots must move:
+    every weight once (the token embedding only in the rows it gathers, unless tied: then
+    it is the LM head too), the live KV once, the new KV entries once. -> {part: bytes}."""
+    from jaxspec.models import Policy
+
+    params = Policy.abstract(cfg).params
+    item = jnp.dtype(cfg.param_dtype).itemsize
+    total = _param_bytes(params)
+    embed = cfg.vocab_size * cfg.hidden_size * item
+    weights = total if cfg.tie_embeddings else total - embed
+    kv_row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
+    return {
+        "weights": weights,
+        "embedding rows": batch * fed * cfg.hidden_size * item if embed_rows else 0,
+        "KV read": batch * context * kv_row,
+        "KV written": batch * fed * kv_row,
+    }
+
+
+def _stack_rows(shape: str) -> int:
+    """The leading dimension of a rank-5 array shape (a stacked cache's layers), else 1."""
+    dims = hlo._ARRAY.findall(shape)
+    if len(dims) != 1 or len(dims[0][1].split(",")) != 5:
+        return 1
+    return int(dims[0][1].split(",")[0])
+
+
+def stacked_attention_reads(inst, operands) -> int | None:
+    """Bytes a jaxspec Pallas `tree_attention` call moves: one layer of each stacked (5-D)
+    KV operand read, the other operands read whole, and its own outputs written except the
+    stacks it passes through (aliased to its inputs, never written). None for other
+    instructions."""
+    if inst.opcode != "custom-call" or "tree_attention" not in inst.op_name:
+        return None
+    read = sum(op.bytes // _stack_rows(op.shape) for op in operands)
+    outputs = [f"{t}[{d}]" for t, d in hlo._ARRAY.findall(inst.shape)]
+    written = sum(hlo.shape_bytes(o) for o in outputs if _stack_rows(o) == 1)
+    return read + written
+
+
+def thunk_kernels(text: str) -> dict:
+    """Kernels of the first `while` body in XLA's thunk sequence (after its thunk passes):
+    {"kernels": N, "in_command_buffer": M, "nested_loops": K} (nested loops' kernels
+    counted once)."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if re.search(r"\d+: kWhile", l)), None)
+    if start is None:
+        return {"kernels": 0, "in_command_buffer": 0, "nested_loops": 0}
+    base = len(lines[start]) - len(lines[start].lstrip())
+    in_body, stack, kernels, buffered, nested = False, [], 0, 0, 0
+    for line in lines[start + 1:]:
+        indent = len(line) - len(line.lstrip())
+        if line.strip() and indent <= base and _WORK_THUNKS.match(line):
+            break
+        if line.strip() == "body:":
+            in_body = True
+            continue
+        if line.strip() == "condition:":
+            in_body = False
+            continue
+        m = _WORK_THUNKS.match(line)
+        if not (in_body and m):
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        kind = m.group(1)
+        if kind in _CONTAINERS:
+            nested += kind == "kWhile"
+            stack.append((indent, kind))
+            continue
+        kernels += 1
+        buffered += any(k == "kCommandBuffer" for _, k in stack)
+    return {"kernels": kernels, "in_command_buffer": buffered, "nested_loops": nested}
+
+
+def _replicated(mesh):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return NamedSharding(mesh, P())
+
+
+def _abstract(tree, sharding):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def _policy_for_decode(cfg, sharding):
+    """The abstract policy as `generate` decodes with it on this platform (per-layer
+    weights and no stacked ones when `Policy.decodes_unrolled`), placed on `sharding`."""
+    from jaxspec.models import Policy
+
+    policy = Policy.abstract(cfg)
+    if policy.decodes_unrolled(0, 0):  # as jaxspec.decoding.decoding_policy attaches them
+        policy = jax.eval_shape(lambda p: p.unstack_layers().without_stacked_layers(), policy)
+    return _abstract(policy, sharding)
+
+
+def build_program(name: str, cfg, *, batch: int, context: int, mesh, prompt_len: int = 1024,
+                  draft_vocab: int = 32_000, run=None) -> Program:
+    """The abstract program `name` (one of PROGRAMS) for model config `cfg`, built as on a
+    GPU (`kernels.target_platform("gpu")`: e.g. the layer loop `generate` would pick)."""
+    from jaxspec.kernels import target_platform
+
+    with target_platform("gpu"):
+        return _build_program(name, cfg, batch=batch, context=context, mesh=mesh,
+                              prompt_len=prompt_len, draft_vocab=draft_vocab, run=run)
+
+
+def _build_program(name, cfg, *, batch, context, mesh, prompt_len, draft_vocab, run) -> Program:
+    from jaxspec.models import KVCache
+    from jaxspec.models.cache import compact
+
+    rep = _replicated(mesh)
+    steps = LOOP_STEPS
+    if name in ("decode", "verify_k3", "tree_n16", "refill"):
+        policy = _policy_for_decode(cfg, rep)
+        cache = _abstract(jax.eval_shape(lambda: KVCache.zeros(cfg, batch, context)), rep)
+        fed = {"decode": 1, "verify_k3": VERIFY_K + 1, "tree_n16": TREE_NODES,
+               "refill": prompt_len}[name]
+        tokens = jax.ShapeDtypeStruct((batch, fed), jnp.int32, sharding=rep)
+        live = context if name != "refill" else 0
+        parts = floor_bytes(cfg, batch, fed, live)
+        unknown = -(-context // 128)  # the reference attention's block loop (BLOCK_K = 128)
+        if name == "decode":
+            def fn(policy, cache, tokens):
+                def body(i, carry):
+                    cache, tok = carry
+                    logits, _, cache = policy.forward(tok, cache.lengths[:, None], cache)
+                    return cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None]
+                return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+            return Program(name, fn, (policy, cache, tokens), True, sum(parts.values()), parts,
+                           donate=(1,), unknown_trip=unknown)
+        if name == "verify_k3":
+            def fn(policy, cache, tokens):
+                def body(i, carry):
+                    cache, tok = carry
+                    pos = cache.lengths[:, None] + jnp.arange(tok.shape[1])[None]
+                    logits, _, cache = policy.forward(tok, pos, cache)
+                    target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, k+1]
+                    hit = jnp.cumprod(target[:, :-1] == tok[:, 1:], axis=1)
+                    accepted = jnp.sum(hit, axis=1, dtype=jnp.int32)  # [B]
+                    cache = dataclasses.replace(
+                        cache, lengths=cache.lengths - (tok.shape[1] - 1 - accepted))
+                    return cache, jnp.roll(target, 1, axis=1)
+                return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+            return Program(name, fn, (policy, cache, tokens), True, sum(parts.values()), parts,
+                           donate=(1,), unknown_trip=unknown)
+        if name == "tree_n16":
+            mask = jax.ShapeDtypeStruct((batch, fed, fed), jnp.bool_, sharding=rep)
+            depth = jax.ShapeDtypeStruct((batch, fed), jnp.int32, sharding=rep)
+
+            def fn(policy, cache, tokens, mask, depth):
+                def body(i, carry):
+                    cache, tok = carry
+                    pos = cache.lengths[:, None] + depth
+                    logits, _, cache = policy.forward(tok, pos, cache, mask=mask)
+                    target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, N]
+                    # The accepted path: the nodes whose parent's pick is the node's token,
+                    # in topological order (a chain of ancestors under `mask`).
+                    ok = jnp.concatenate([jnp.ones_like(tok[:, :1], bool),
+                                          target[:, :-1] == tok[:, 1:]], axis=1)
+                    path = jnp.where(ok, jnp.arange(fed)[None], -1)
+                    path = jnp.sort(jnp.where(path < 0, fed, path), axis=1)[:, :5]
+                    path = jnp.where(path >= fed, -1, path).astype(jnp.int32)
+                    cache = compact(cache, path, fed)
+                    return cache, jnp.roll(target, 1, axis=1)
+                return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+            return Program(name, fn, (policy, cache, tokens, mask, depth), True,
+                           sum(parts.values()), parts, donate=(1,), unknown_trip=unknown)
+
+        def refill(policy, cache, tokens):  # one prompt per row into an empty cache
+            pos = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
+            logits, _, cache = policy.forward(tokens, pos, cache)
+            return cache, jnp.argmax(logits[:, -1], -1)
+        return Program(name, refill, (policy, cache, tokens), False, sum(parts.values()), parts,
+                       donate=(1,), unknown_trip=unknown)
+    if name == "eagle3_draft":
+        from jaxspec.models import Policy
+        from jaxspec.models.eagle3 import Eagle3Head
+
+        policy = _abstract(Policy.abstract(cfg), rep)
+        head = jax.eval_shape(lambda: Eagle3Head.init_for(Policy.abstract(cfg), draft_vocab,
+                                                           jax.random.key(0)))
+        head = _abstract(head, rep)
+        hcache = _abstract(jax.eval_shape(lambda: KVCache.zeros(head.config.layer, batch, context)),
+                           rep)
+        tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=rep)
+        hidden = jax.ShapeDtypeStruct((batch, cfg.hidden_size), jnp.float32, sharding=rep)
+        item = jnp.dtype(cfg.param_dtype).itemsize
+        hl = head.config.layer
+        parts = floor_bytes(hl, batch, 1, context, embed_rows=False)
+        # The layer, norms and the LM head over the draft vocabulary; not `fc`, which only
+        # the first draft step after a verify applies (to the policy's features).
+        parts["weights"] = _param_bytes(head.params) - _param_bytes(head.params["fc"])
+        parts["embedding rows"] = batch * cfg.hidden_size * item  # the policy's embedding
+
+        def fn(policy, head, cache, tokens, hidden):
+            def body(i, carry):
+                cache, tok, hidden = carry
+                embeds = policy.embed(tok)
+                out, cache = head.forward(embeds, hidden[:, None], cache.lengths[:, None], cache,
+                                          fuse=False)
+                logits, ids = head.draft_logits(out[:, 0])
+                pick = jnp.argmax(logits, -1)
+                return cache, ids[pick][:, None].astype(jnp.int32), out[:, 0].astype(jnp.float32)
+            return jax.lax.fori_loop(0, steps, body, (cache, tokens, hidden))
+        return Program(name, fn, (policy, head, hcache, tokens, hidden), True,
+                       sum(parts.values()), parts, donate=(2,),
+                       unknown_trip=-(-context // 128))
+    if name in ("grpo_score", "grpo_update"):
+        return _grpo_program(name, cfg, mesh, run)
+    raise ValueError(f"unknown program {name!r}; valid: {', '.join(PROGRAMS)}")
+
+
+def _grpo_program(name, cfg, mesh, run) -> Program:
+    """GRPO scoring or update (jaxspec.rl.steps) at the run's batch, params and optimizer
+    state sharded over the mesh (fsdp), rows over its devices."""
+    from jaxspec import parallel
+    from jaxspec.decoding.sampling import SamplingConfig
+    from jaxspec.models import Policy
+    from jaxspec.models.config import default_eagle3_layers
+    from jaxspec.rl.grpo import GRPOConfig
+    from jaxspec.rl.steps import (
+        POLICY_INPUTS,
+        make_optimizer,
+        policy_update,
+        score_rollouts,
+    )
+
+    policy = Policy.abstract(cfg)
+
+    def placed(tree):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            tree, parallel.param_shardings(tree, mesh))
+
+    params = placed(policy.params)
+    policy = policy.replace(params=params)
+    b = run["batch"]
+    p, n = run["prompt_len"], run["new_tokens"]
+    t = p + n
+
+    def rows(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=parallel.batch_sharding(mesh, len(shape)))
+
+    sampling = SamplingConfig(run["temperature"], run["top_k"], run["top_p"])
+    filtered = run["top_k"] > 0 or run["top_p"] < 1.0
+    ref = params if run["kl_coef"] > 0 else None
+    grpo = GRPOConfig(kl_coef=run["kl_coef"], logprob_chunk=run["chunk"],
+                      micro_batch=run["micro_batch"])
+    n_params = policy.num_params
+    tokens = b * t
+    devices = int(np.prod(mesh.devices.shape))  # the floors are per device (fsdp)
+    if name == "grpo_score":
+        capture = default_eagle3_layers(cfg.num_layers) if run.get("capture") else ()
+
+        def fn(policy, ref, prompts, plens, toks, lens, gen):
+            return score_rollouts(policy, ref, prompts, plens, toks, lens, gen, sampling,
+                                  capture=capture, filtered=filtered, chunk=run["chunk"],
+                                  micro_batch=run["micro_batch"])
+        args = (policy, ref, rows((b, p), jnp.int32), rows((b,), jnp.int32),
+                rows((b, n), jnp.int32), rows((b,), jnp.int32), rows((b, n), jnp.float32))
+        forwards = 2 if ref is not None else 1
+        parts = {"weights (read once per forward)": forwards * _param_bytes(params) / devices}
+        return Program(name, fn, args, False, sum(parts.values()), parts,
+                       flops=forwards * 2 * n_params * tokens)
+    optimizer = make_optimizer(_optim_spec(run))
+    opt_state = placed(jax.eval_shape(optimizer.init, params))
+    scored = {k: rows((b, t), jnp.int32 if k in ("tokens", "positions")
+                      else bool if k == "mask" else jnp.float32)
+              for k in POLICY_INPUTS if k != "ref_logprobs" or ref is not None}
+
+    def fn(policy, opt_state, scored, adv):
+        return policy_update(policy, opt_state, scored, adv, sampling, optimizer=optimizer,
+                             grpo_cfg=grpo, minibatches=1, filtered=filtered)
+    parts = {"weights, grads and optimizer state (once)": (_param_bytes(params) * 2
+             + _param_bytes(opt_state)) / devices}
+    return Program(name, fn, (policy, opt_state, scored, rows((b,), jnp.float32)), False,
+                   sum(parts.values()), parts, flops=8 * n_params * tokens, donate=(0, 1))
+
+
+def _optim_spec(run):
+    from jaxspec.config import OptimSpec
+
+    return OptimSpec(**run.get("optim", {}))
+
+
+def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: str = "",
+                    xla_options: dict | None = None) -> dict:
+    """Compiles `program` for `target` on `mesh` and returns its report (a JSON-able dict);
+    `xla_options`: extra XLA compile options (e.g. {"xla_gpu_enable_command_buffer": ""})."""
+    from jaxspec.kernels import target_platform
+
+    gpu = gpu_targets.target(target)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as dump, target_platform("gpu"), jax.set_mesh(mesh):
+        lowered = jax.jit(program.fn, donate_argnums=program.donate).trace(*program.args).lower(
+            lowering_platforms=("cuda",))
+        compiled = lowered.compile(compiler_options={**(xla_options or {}), "xla_dump_to": dump})
+        thunks = sorted(pathlib.Path(dump).glob("*thunk_sequence_after_thunk_passes.txt"))
+        thunk_text = thunks[-1].read_text() if thunks else ""
+    seconds = time.perf_counter() - start
+    text = compiled.as_text()
+    if hlo_dir is not None:
+        out = pathlib.Path(hlo_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{tag or program.name}.hlo.txt").write_text(text)
+    module = hlo.parse(text)
+    trip = lambda inst: program.unknown_trip
+    if program.loop:
+        loops = hlo.loop_costs(module, trip, custom_reads=stacked_attention_reads)
+        cost = max(loops, key=lambda c: c.bytes)
+    else:
+        cost = hlo.program_cost(module, trip, custom_reads=stacked_attention_reads)
+    mem = compiled.memory_analysis()
+    per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                  + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    big = [c for c in cost.copies if c.bytes > COPY_LIMIT]
+    report = {
+        "program": program.name,
+        "target": target,
+        "devices": int(np.prod(mesh.devices.shape)),
+        "per_iteration": program.loop,
+        "bytes": cost.bytes,
+        "floor": program.floor,
+        "floor_parts": program.floor_parts,
+        "ratio": cost.bytes / program.floor if program.floor else None,
+        "time_at_bandwidth_ms": 1e3 * cost.bytes / gpu.hbm_bandwidth,
+        "floor_time_ms": 1e3 * program.floor / gpu.hbm_bandwidth,
+        "copies_over_1mb": [dataclasses.asdict(c) for c in big],
+        "kernels_hlo": cost.kernels,
+        "unknown_trips": cost.unknown_trips,
+        "thunks": thunk_kernels(thunk_text) if program.loop else None,
+        "memory_per_device": {
+            "argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
+            "temp": mem.temp_size_in_bytes, "alias": mem.alias_size_in_bytes,
+            "total": per_device, "capacity": gpu.hbm_bytes},
+        "largest_kernels": [{"bytes": b, "name": n, "op_name": o} for b, n, o in cost.largest],
+        "compile_s": seconds,
+    }
+    if program.flops:
+        devices = report["devices"]
+        report["flops"] = program.flops
+        report["flops_time_ms"] = 1e3 * program.flops / devices / gpu.bf16_flops
+    return report

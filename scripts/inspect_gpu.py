@@ -1,0 +1,197 @@
+"""Compile a run's GPU programs on this machine, without a GPU, and say what they cost.
+
+    python scripts/inspect_gpu.py --config configs/qwen3_8b_shape.yaml --target h100 \\
+        --batches 1,64 --context 2048 --json gpu.json --hlo-dir hlo/
+    python scripts/inspect_gpu.py --config configs/qwen3_8b_eagle3.yaml --target h100 \\
+        --devices 8 --programs grpo_score,grpo_update --json grpo.json
+
+Needs jax's CUDA plugin (`pip install -e ".[gpu-aot]"`, ~3 GB); no GPU. Programs
+(jaxspec.gpu_targets.inspect): decode, verify_k3, tree_n16, refill, eagle3_draft (one
+device, at each batch), grpo_score and grpo_update (the run's batch on --devices GPUs, fsdp).
+Per program: HBM bytes per loop iteration estimated from the optimized HLO
+(jaxspec.gpu_targets.hlo) against the floor (weights + live KV read once; training: also
+the model-FLOPs time), copies over 1 MB in the loop body with their jax origin, kernels
+per iteration (and how many run inside a CUDA-graph command buffer), and XLA's memory per
+device. Each program's optimized HLO goes to --hlo-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__)
+    p.add_argument("--config", required=True, help="a run config (YAML)")
+    p.add_argument("--target", required=True, help="h100, h200 or gb200")
+    p.add_argument("--devices", type=int, default=8, help="GPUs of the GRPO programs' mesh")
+    p.add_argument("--batches", default="1,64", help="comma list of decode batch sizes")
+    p.add_argument("--context", type=int, default=2048, help="live KV slots per row (= cache capacity)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="refill prompt tokens per row (default: rollout.max_prompt_len, at most --context)")
+    p.add_argument("--programs", default=None,
+                   help="comma list (default: decode,verify_k3,tree_n16,refill,eagle3_draft)")
+    p.add_argument("--layer-loop", default=None, help="override model.layer_loop: auto, scan or unroll")
+    p.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
+                   help="an XLA compile option for every program (repeatable)")
+    p.add_argument("--json", default=None, help="write the reports here")
+    p.add_argument("--hlo-dir", default=None, help="write each program's optimized HLO here")
+    p.add_argument("overrides", nargs="*", help="config overrides a.b=c")
+    return p.parse_args(argv)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--{name} {text!r}: want a comma list of positive ints, e.g. 1,64")
+    return values
+
+
+def model_config(cfg):
+    """The run's ModelConfig: from model.hf_path's config.json when that directory exists,
+    else from the model section's fields (vocab_size required)."""
+    from jaxspec.models.hf import config_from_hf
+
+    spec = cfg.model
+    if spec.hf_path is not None and os.path.isdir(spec.hf_path):
+        with open(os.path.join(spec.hf_path, "config.json")) as fh:
+            hf = json.load(fh)
+        return config_from_hf(hf, dtype=spec.dtype, attention_backend=spec.attention_backend
+                              ).replace(layer_loop=spec.layer_loop)
+    if spec.vocab_size is None:
+        raise ValueError(f"model.hf_path {spec.hf_path!r} is not a directory here and "
+                         f"model.vocab_size is not set: the config gives no architecture")
+    return spec.model_config(spec.vocab_size)
+
+
+def run_settings(cfg) -> dict:
+    """The GRPO programs' settings from the run config."""
+    return dict(
+        batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        prompt_len=cfg.rollout.max_prompt_len, new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p,
+        kl_coef=cfg.grpo.kl_coef, chunk=cfg.grpo.logprob_chunk, micro_batch=cfg.grpo.micro_batch,
+        capture=cfg.draft.kind == "eagle3",
+        optim=dict(lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, b1=cfg.optim.b1,
+                   b2=cfg.optim.b2, clip_norm=cfg.optim.clip_norm),
+    )
+
+
+def _row(r: dict) -> str:
+    gb = 1e9
+    th = r["thunks"] or {}
+    copies = len(r["copies_over_1mb"])
+    ratio = f"{r['ratio']:.3f}x" if r["ratio"] is not None else "-"
+    mem = r["memory_per_device"]["total"] / gb
+    extra = f"  flops-bound {r['flops_time_ms']:.0f} ms" if "flops_time_ms" in r else ""
+    return (f"{r['program']:<13} {r.get('batch') or '-':>5} {r['bytes'] / gb:>9.3f} "
+            f"{r['floor'] / gb:>9.3f} {ratio:>8} {copies:>6} {r['kernels_hlo']:>7} "
+            f"{th.get('kernels', '-'):>6} {th.get('in_command_buffer', '-'):>6} "
+            f"{mem:>8.2f}  ({r['compile_s']:.0f} s){extra}")
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    from jaxspec import gpu_targets
+
+    if args.target not in gpu_targets.TARGETS:
+        return _fail(f"--target {args.target!r} is unknown; valid: {', '.join(gpu_targets.TARGETS)}")
+    try:
+        batches = _ints(args.batches, "batches")
+        if args.context < 16:
+            raise ValueError(f"--context {args.context}: must be >= 16")
+        if args.devices < 1:
+            raise ValueError(f"--devices {args.devices}: must be >= 1")
+        from jaxspec.gpu_targets.inspect import DECODE_PROGRAMS, PROGRAMS
+
+        programs = (args.programs.split(",") if args.programs else list(DECODE_PROGRAMS))
+        bad = [p for p in programs if p not in PROGRAMS]
+        if bad:
+            raise ValueError(f"--programs {','.join(bad)} unknown; valid: {', '.join(PROGRAMS)}")
+        if args.layer_loop not in (None, "auto", "scan", "unroll"):
+            raise ValueError(f"--layer-loop {args.layer_loop!r}; valid: auto, scan, unroll")
+        xla = {}
+        for item in args.xla:
+            key, sep, value = item.partition("=")
+            if not sep or not key.startswith("xla_"):
+                raise ValueError(f"--xla {item!r}: want OPTION=VALUE with an xla_ option name")
+            xla[key] = value
+        gpu_targets.check_plugin()
+    except (ValueError, gpu_targets.PluginMissingError) as e:
+        return _fail(str(e))
+    from jaxspec.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides, check_paths=False)
+        model = model_config(cfg)
+    except (ConfigError, ValueError, OSError) as e:
+        return _fail(str(e))
+    if args.layer_loop is not None:
+        model = model.replace(layer_loop=args.layer_loop)
+    from jaxspec.kernels import jax_triton_available
+
+    if model.attention_backend == "triton" and not jax_triton_available():
+        return _fail("model.attention_backend='triton' needs jax-triton, which does not import "
+                     "here (pip install -e '.[gpu]' beside the CUDA plugin); or inspect the "
+                     "Pallas kernel instead: add the override model.attention_backend=auto")
+    prompt_len = min(args.prompt_len or cfg.rollout.max_prompt_len, args.context)
+
+    from jaxspec.gpu_targets.inspect import build_program, inspect_program
+
+    print(f"{gpu_targets.target(args.target).description}: {args.config}, {model.num_layers} "
+          f"layers, {model.dtype}, layer_loop={model.layer_loop}, context {args.context}",
+          flush=True)
+    print(f"{'program':<13} {'batch':>5} {'GB/iter':>9} {'floor GB':>9} {'ratio':>8} "
+          f"{'copies':>6} {'kernels':>7} {'thunks':>6} {'in CB':>6} {'GB/dev':>8}", flush=True)
+    reports = []
+    one = gpu_targets.mesh(args.target, {"data": 1, "fsdp": 1, "tensor": 1})
+    for name in programs:
+        if name.startswith("grpo"):
+            mesh = gpu_targets.mesh(args.target, {"data": 1, "fsdp": args.devices, "tensor": 1})
+            program = build_program(name, model, batch=0, context=args.context, mesh=mesh,
+                                    run=run_settings(cfg))
+            report = inspect_program(program, args.target, mesh, hlo_dir=args.hlo_dir,
+                                     tag=f"{name}_{args.target}_x{args.devices}", xla_options=xla)
+            report["batch"] = run_settings(cfg)["batch"]
+            reports.append(report)
+            print(_row(report), flush=True)
+            continue
+        for batch in batches:
+            program = build_program(name, model, batch=batch, context=args.context, mesh=one,
+                                    prompt_len=prompt_len,
+                                    draft_vocab=cfg.draft.draft_vocab_size or 32_000)
+            report = inspect_program(program, args.target, one, hlo_dir=args.hlo_dir,
+                                     tag=f"{name}_b{batch}_{args.target}_{model.layer_loop}",
+                                     xla_options=xla)
+            report.update(batch=batch, context=args.context, layer_loop=model.layer_loop,
+                          config=args.config)
+            reports.append(report)
+            print(_row(report), flush=True)
+    for r in reports:
+        for c in r["copies_over_1mb"]:
+            print(f"  copy in {r['program']} (batch {r.get('batch')}): {c['bytes'] / 1e6:.1f} MB "
+                  f"x{c['count']} {c['kind']} from {c['op_name'] or '?'}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(reports, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
