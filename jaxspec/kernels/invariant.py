@@ -7,9 +7,12 @@ so a token decoded alone and the same token inside a verify block or a full-sequ
 training forward see identical key rows; the key slots are summed by a scan, so slots with
 nothing to attend to add exact zeros and the cache capacity (which differs between plain and
 speculative calls) never changes the result. Every other reduction (projections over K,
-norms, q.k over head_dim, the softmax normaliser) is `tree_sum`: halving with elementwise
-adds, one association whatever the shape. XLA's CPU dot and reduce pick kernels by shape
-(e.g. [M, 64] x [64, 32] rounds differently for M <= 24 than for 600 rows).
+norms, q.k over head_dim) is `tree_sum`: halving with elementwise adds, one association
+whatever the shape. XLA's CPU dot and reduce pick kernels by shape (e.g. [M, 64] x [64, 32]
+rounds differently for M <= 24 than for 600 rows). The softmax normaliser
+(`log_normalizer`) is a fixed tree over blocks of VOCAB_BLOCK vocabulary entries, the one
+the trainer's chunked scorer reproduces (jaxspec.rl.chunked). Products summed by these
+reductions go through `uncontracted`: no FMA, whose use depends on XLA's fusion.
 
 The mode computes activations in float32 whatever the parameter dtype. bfloat16 activations
 cannot be made invariant from JAX: XLA may keep float32 "excess precision" between fused
@@ -57,12 +60,19 @@ def invariant_dot(
     return total if preferred_element_type is None else total.astype(preferred_element_type)
 
 
+@jax.custom_jvp
 def uncontracted(x):  # [...] float32 -> the same values (-0.0 read as +0.0)
     """x through a select, so that a multiply producing x is never fused with an add consuming
     it into one FMA: XLA's CPU backend lets LLVM contract a*b + c (one rounding instead of two),
     and whether it does depends on the fusion, i.e. on the shapes (the LM head's products
-    rounded differently in a [B, 1, V] decode step than in a training forward's chunk)."""
+    rounded differently in a [B, 1, V] decode step than in a training forward's chunk).
+    Its derivative is the identity's (the select's would drop it where x == 0)."""
     return jnp.where(x == 0, jnp.zeros_like(x), x)
+
+
+@uncontracted.defjvp
+def _uncontracted_jvp(primals, tangents):
+    return uncontracted(primals[0]), tangents[0]
 
 
 def tree_sum(x):  # [..., N] -> [...]

@@ -283,12 +283,20 @@ def soft_cross_entropy(
     draft_weight,  # [Hd, Vd] the draft head's LM head
     *,
     chunk: int,
+    invariant: bool = False,
 ):  # -> (CE [N] float32, agree [N] bool: the two argmaxes match)
     """-sum_v p(v) log q(v) with p = softmax(target_hidden @ target_weight) and q =
-    softmax(draft_hidden @ draft_weight), over draft-vocab chunks (chunk 0: whole)."""
+    softmax(draft_hidden @ draft_weight), over draft-vocab chunks (chunk 0: whole).
+    `invariant` (the policy's batch_invariant mode): the target's batch-invariant matmul and
+    the generator's reduction (`_invariant_soft_cross_entropy`), the same at any chunk."""
     target_hidden = jax.lax.stop_gradient(target_hidden)
     target_weight = jax.lax.stop_gradient(target_weight)
     vd = draft_weight.shape[1]
+    if invariant:  # chunks of whole blocks, at most the (block-padded) vocabulary
+        whole = -(-vd // VOCAB_BLOCK) * VOCAB_BLOCK
+        chunk = min(-(-chunk // VOCAB_BLOCK) * VOCAB_BLOCK, whole) if chunk else whole
+        return _invariant_soft_cross_entropy(target_hidden, target_weight, draft_hidden,
+                                             draft_weight, chunk)
     chunk = vd if chunk == 0 or chunk >= vd else chunk
     tw = _weight_chunks(target_weight, 1, chunk)
     dw = _weight_chunks(draft_weight, 1, chunk)
@@ -323,6 +331,53 @@ def soft_cross_entropy(
     init = (neg, zero, zero, neg, zero, neg, index, neg, index)
     (mt, st, cross, mq, sq, _, arg_t, _, arg_q), _ = jax.lax.scan(body, init, (tw, dw, starts))
     return mq + jnp.log(sq) - cross / st, arg_t == arg_q
+
+
+def _invariant_soft_cross_entropy(target_hidden, target_weight, draft_hidden, draft_weight,
+                                  chunk: int):
+    """`soft_cross_entropy` reduced as `log_normalizer` reduces: a first scan finds both
+    distributions' maxima and argmaxes (exact in any order), a second sums exp(z - max) and
+    p's unnormalised weights times (zq - max) over VOCAB_BLOCK blocks (chunk a multiple of
+    it), then a tree over the blocks: CE = log Sq - sum(et (zq - mq)) / St."""
+    vd = draft_weight.shape[1]
+    tw = _weight_chunks(target_weight, 1, chunk)
+    dw = _weight_chunks(draft_weight, 1, chunk)
+    starts = jnp.arange(tw.shape[0], dtype=jnp.int32) * chunk
+    n = draft_hidden.shape[0]
+
+    def logits(twc, dwc, hq):  # -> zt, zq [N, c] float32
+        return _project(target_hidden, twc, 1, True), (hq @ dwc).astype(jnp.float32)
+
+    def peak_body(carry, xs):
+        twc, dwc, start = xs
+        valid = start + jnp.arange(chunk, dtype=jnp.int32) < vd
+        out = []
+        for (best, arg), z in zip((carry[:2], carry[2:]),
+                                  logits(twc, dwc, jax.lax.stop_gradient(draft_hidden))):
+            z = jnp.where(valid, z, -jnp.inf)
+            top = jnp.max(z, axis=-1)
+            better = top > best  # strict: an earlier chunk keeps a tie
+            out += [jnp.where(better, top, best),
+                    jnp.where(better, start + jnp.argmax(z, axis=-1).astype(jnp.int32), arg)]
+        return tuple(out), None
+
+    neg, index = jnp.full((n,), -jnp.inf), jnp.zeros((n,), jnp.int32)
+    (mt, arg_t, mq, arg_q), _ = jax.lax.scan(peak_body, (neg, index, neg, index), (tw, dw, starts))
+    mt, mq = jax.lax.stop_gradient(mt), jax.lax.stop_gradient(mq)
+
+    @jax.checkpoint
+    def body(_, xs):
+        twc, dwc, start = xs
+        valid = start + jnp.arange(chunk, dtype=jnp.int32) < vd
+        zt, zq = logits(twc, dwc, draft_hidden)
+        dq = jnp.where(valid, zq - mq[:, None], 0.0)
+        et = jnp.where(valid, jnp.exp(jnp.where(valid, zt - mt[:, None], 0.0)), 0.0)
+        eq = jnp.where(valid, jnp.exp(dq), 0.0)
+        return None, (block_sums(et), block_sums(eq), block_sums(et * dq))
+
+    _, sums = jax.lax.scan(body, None, (tw, dw, starts))
+    st, sq, cross = (tree_sum(jnp.moveaxis(x, 0, 1).reshape(n, -1)) for x in sums)
+    return jnp.log(sq) - cross / st, arg_t == arg_q
 
 
 def split_rows(tree, micro: int):
