@@ -254,4 +254,29 @@ def sample(
     noise = gumbel_noise(key, _default_rows(batch, rows), positions, vocab)
     tokens = jnp.argmax(z + noise, axis=-1).astype(jnp.int32)
     z_token = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
-    return tokens, z_token - log_normalizer(z)[..., 0]
+    return tokens, report_logprobs(z_token - log_normalizer(z)[..., 0], logits, tokens, cfg)
+
+
+def report_logprobs(
+    logprobs,  # [...] float32 the emitted tokens' log-probs under the processed distribution
+    logits,  # [..., V] (or [B, N, V] with `fed`) any float dtype: the policy's logits
+    tokens,  # [...] int32 the emitted tokens
+    cfg: SamplingConfig,
+    fed=None,  # [B, D] int32 or None: token [b, d] was drawn from logits[b, fed[b, d]]
+):  # -> [...] float32 the log-probs the generator reports (Rollouts.logprobs)
+    """The reported log-prob of an emitted token: under the processed distribution at
+    temperature > 0; at temperature 0 (greedy: a point mass, log p = 0 for every emitted
+    token) under the policy's unscaled, unfiltered softmax, which the trainer scores the same
+    way (`jaxspec.rl.chunked`), so the GRPO ratio, the KL and the importance weights see a
+    log-prob with a gradient and generation and training agree (docs/training.md)."""
+
+    def unscaled(_):
+        x = logits if fed is None else jnp.take_along_axis(logits, fed[..., None], axis=-2)
+        x = x.astype(jnp.float32)
+        peak = jnp.max(x, axis=-1, keepdims=True)
+        z = (x - jnp.where(jnp.isfinite(peak), peak, 0.0)) / jnp.float32(1.0)  # as the scorer
+        z_token = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
+        return z_token - log_normalizer(z)[..., 0]
+
+    temperature = jnp.asarray(cfg.temperature, jnp.float32)
+    return jax.lax.cond(temperature > 0, lambda _: logprobs.astype(jnp.float32), unscaled, None)

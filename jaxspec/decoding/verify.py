@@ -25,7 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoding.sampling import SamplingConfig, coin_flips, gumbel_noise, processed_logits
+from jaxspec.decoding.sampling import (SamplingConfig, coin_flips, gumbel_noise, processed_logits,
+                                      report_logprobs)
 from jaxspec.decoding.tree import Tree
 from jaxspec.kernels.invariant import log_normalizer
 
@@ -39,7 +40,7 @@ class Verdict:
 
     num_accepted: jax.Array  # [B] int32 accepted draft nodes
     tokens: jax.Array  # [B, D+1] int32 accepted tokens, then the correction or bonus token
-    logprobs: jax.Array  # [B, D+1] float32 log-probs under the processed target
+    logprobs: jax.Array  # [B, D+1] float32 reported log-probs (sampling.report_logprobs)
     path: jax.Array  # [B, D+1] int32 fed-block indices of KV entries to keep (0 = the root)
 
 
@@ -84,15 +85,20 @@ def verify(
     z = processed_logits(target_logits, cfg)  # [B, N+1, V], unnormalised
     logp = z - log_normalizer(z)  # one rounding for a row whatever the block's shape
     if method == "rejection":
-        return _verify_rejection(key, logp, tree, positions, rows, draft_probs, z=z)
-    if method == "greedy":
-        choices = jnp.argmax(target_logits.astype(jnp.float32), axis=-1)
-    else:  # replay: the plain sampler's draw at each node's slot (nodes of one depth share it)
-        if noise is None:
-            noise = replay_noise(key, positions, tree.max_depth, vocab, rows)
-        fed_depths = jnp.clip(jnp.pad(tree.depths, ((0, 0), (1, 0))), 0, tree.max_depth)
-        choices = jnp.argmax(z + jnp.take_along_axis(noise, fed_depths[..., None], axis=1), axis=-1)
-    return _walk(tree, choices.astype(jnp.int32), logp)
+        verdict = _verify_rejection(key, logp, tree, positions, rows, draft_probs, z=z)
+    else:
+        if method == "greedy":
+            choices = jnp.argmax(target_logits.astype(jnp.float32), axis=-1)
+        else:  # replay: the plain sampler's draw at each node's slot (nodes of one depth share it)
+            if noise is None:
+                noise = replay_noise(key, positions, tree.max_depth, vocab, rows)
+            fed_depths = jnp.clip(jnp.pad(tree.depths, ((0, 0), (1, 0))), 0, tree.max_depth)
+            choices = jnp.argmax(z + jnp.take_along_axis(noise, fed_depths[..., None], axis=1), axis=-1)
+        verdict = _walk(tree, choices.astype(jnp.int32), logp)
+    # token d was emitted from fed node path[d]: its logits give the reported log-prob
+    reported = report_logprobs(verdict.logprobs, target_logits, verdict.tokens, cfg,
+                               fed=jnp.clip(verdict.path, 0))
+    return dataclasses.replace(verdict, logprobs=jnp.where(verdict.path >= 0, reported, 0.0))
 
 
 def replay_noise(

@@ -7,9 +7,12 @@ so a token decoded alone and the same token inside a verify block or a full-sequ
 training forward see identical key rows; the key slots are summed by a scan, so slots with
 nothing to attend to add exact zeros and the cache capacity (which differs between plain and
 speculative calls) never changes the result. Every other reduction (projections over K,
-norms, q.k over head_dim, the softmax normaliser) is `tree_sum`: halving with elementwise
-adds, one association whatever the shape. XLA's CPU dot and reduce pick kernels by shape
-(e.g. [M, 64] x [64, 32] rounds differently for M <= 24 than for 600 rows).
+norms, q.k over head_dim) is `tree_sum`: halving with elementwise adds, one association
+whatever the shape. XLA's CPU dot and reduce pick kernels by shape (e.g. [M, 64] x [64, 32]
+rounds differently for M <= 24 than for 600 rows). The softmax normaliser
+(`log_normalizer`) is a fixed tree over blocks of VOCAB_BLOCK vocabulary entries, the one
+the trainer's chunked scorer reproduces (jaxspec.rl.chunked). Products summed by these
+reductions go through `uncontracted`: no FMA, whose use depends on XLA's fusion.
 
 The mode computes activations in float32 whatever the parameter dtype. bfloat16 activations
 cannot be made invariant from JAX: XLA may keep float32 "excess precision" between fused
@@ -24,6 +27,9 @@ import jax
 import jax.numpy as jnp
 
 BLOCK = 16  # key rows are padded to a multiple of this many slots
+# Vocabulary entries per block of the log-normaliser's fixed reduction tree: the trainer's
+# chunked scorer takes vocabulary chunks of a multiple of it (jaxspec.rl.chunked).
+VOCAB_BLOCK = 256
 
 
 def round_to(x, dtype):  # float32 [...] -> float32 [...] holding values of `dtype`
@@ -54,9 +60,26 @@ def invariant_dot(
     return total if preferred_element_type is None else total.astype(preferred_element_type)
 
 
+@jax.custom_jvp
+def uncontracted(x):  # [...] float32 -> the same values (-0.0 read as +0.0)
+    """x through a select, so that a multiply producing x is never fused with an add consuming
+    it into one FMA: XLA's CPU backend lets LLVM contract a*b + c (one rounding instead of two),
+    and whether it does depends on the fusion, i.e. on the shapes (the LM head's products
+    rounded differently in a [B, 1, V] decode step than in a training forward's chunk).
+    Its derivative is the identity's (the select's would drop it where x == 0)."""
+    return jnp.where(x == 0, jnp.zeros_like(x), x)
+
+
+@uncontracted.defjvp
+def _uncontracted_jvp(primals, tangents):
+    return uncontracted(primals[0]), tangents[0]
+
+
 def tree_sum(x):  # [..., N] -> [...]
     """Sum over the last axis by halving with elementwise adds (zero-padded to a power of
-    two): log2(N) ops with one association whatever the other dimensions are."""
+    two): log2(N) ops with one association whatever the other dimensions are; the terms are
+    `uncontracted` (a product summed here rounds the same in every program)."""
+    x = uncontracted(x)
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
@@ -66,10 +89,33 @@ def tree_sum(x):  # [..., N] -> [...]
     return x[..., 0]
 
 
+def block_sums(x):  # [..., V] -> [..., ceil(V / VOCAB_BLOCK)]
+    """`tree_sum` of every contiguous block of VOCAB_BLOCK entries along the last axis (the
+    last block zero-padded): the first level of `log_normalizer`'s reduction, which a scan over
+    vocabulary chunks (any multiple of VOCAB_BLOCK wide) computes chunk by chunk."""
+    v = x.shape[-1]
+    n = -(-v // VOCAB_BLOCK)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n * VOCAB_BLOCK - v)])
+    return tree_sum(x.reshape(*x.shape[:-1], n, VOCAB_BLOCK))
+
+
+def normalizer_from_blocks(
+    top,  # [...] the shift the exponentials were taken from (no gradient)
+    sums,  # [..., nb] block_sums of exp(z - top), in vocabulary order; extra trailing zero
+    #        blocks (a chunked scan's padding) change nothing (x + 0 == x exactly)
+):  # -> [...] log sum exp(z)
+    """The second level of `log_normalizer`: `tree_sum` over the blocks, then the log."""
+    return top + jnp.log(tree_sum(sums))
+
+
 def log_normalizer(z):  # [..., V] float32 with a finite max -> [..., 1]
-    """logsumexp over the last axis, rounding the same for every row whatever the shape."""
-    top = jnp.max(z, axis=-1, keepdims=True)  # exact
-    return top + jnp.log(tree_sum(jnp.exp(z - top)))[..., None]
+    """logsumexp over the last axis, rounding the same for every row whatever the shape, and
+    the same whether the vocabulary is reduced whole or in chunks of any multiple of
+    VOCAB_BLOCK (jaxspec.rl.chunked, the trainer's scorer): a fixed tree, `tree_sum` within
+    each block of VOCAB_BLOCK entries and then over the block sums. Up to VOCAB_BLOCK entries
+    it is one `tree_sum` of the row (trailing zeros change no bit)."""
+    top = jax.lax.stop_gradient(jnp.max(z, axis=-1))  # exact; logsumexp is shift-free
+    return normalizer_from_blocks(top, block_sums(jnp.exp(z - top[..., None])))[..., None]
 
 
 def invariant_attention(
@@ -116,7 +162,7 @@ def invariant_attention(
     # product and a sum into one FMA depends on which level of the tree the zeros start.)
     def add_slot(carry, slot):
         w, v = slot  # [B, T, kvh, g], [B, T, kvh, d]
-        return (carry[0] + w, carry[1] + w[..., None] * v[:, :, :, None, :]), None
+        return (carry[0] + w, carry[1] + uncontracted(w[..., None] * v[:, :, :, None, :])), None
 
     zeros = (jnp.zeros((b, t, hkv, group), jnp.float32), jnp.zeros((b, t, hkv, group, d), jnp.float32))
     (denom, numer), _ = jax.lax.scan(add_slot, zeros, (jnp.moveaxis(weights, 2, 0), jnp.moveaxis(values, 2, 0)))

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.kernels import WithAncestors, layer_array, tree_attention
-from jaxspec.kernels.invariant import invariant_attention, invariant_dot, round_to, tree_sum
+from jaxspec.kernels.invariant import invariant_attention, invariant_dot, round_to, tree_sum, uncontracted
 from jaxspec.models.config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
@@ -120,6 +120,8 @@ def apply_rope(
     sin = jnp.sin(emb).astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    if config.batch_invariant:  # no FMA: its contraction depends on the fusion (shapes)
+        return uncontracted(x * cos) + uncontracted(rotated * sin)
     return x * cos + rotated * sin
 
 

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decoding.sampling import SamplingConfig, process_logits
-from jaxspec.kernels.invariant import invariant_dot
+from jaxspec.kernels.invariant import (VOCAB_BLOCK, block_sums, invariant_dot, normalizer_from_blocks,
+                                       tree_sum)
 from jaxspec.models.config import matmul_precision
 
 __all__ = ["accumulate_gradients", "argmax", "dense_logprobs", "join_rows", "lm_head", "soft_cross_entropy", "split_rows",
@@ -63,8 +64,9 @@ def _weight_chunks(w, vocab_axis: int, chunk: int):
 
 
 def _temperature(sampling: SamplingConfig):
-    """The divisor of the logits; temperature 0 (greedy) scores the unscaled softmax, as the
-    generator reports its log-probs."""
+    """The divisor of the logits. Temperature 0 (greedy) scores the policy's unscaled,
+    unfiltered softmax, the convention the generator reports greedy tokens under
+    (`jaxspec.decoding.sampling.report_logprobs`; docs/training.md)."""
     t = jnp.asarray(sampling.temperature, jnp.float32)
     return jnp.where(t > 0, t, 1.0)
 
@@ -74,21 +76,38 @@ def dense_logprobs(
     targets,  # [...] int32
     sampling: SamplingConfig,
     filtered: bool,
+    invariant: bool = False,
 ):  # -> (log p(target) [...], entropy [...]) float32
     """log p(target) under the processed sampling distribution and its entropy, from whole
-    logits. Differentiable: temperature scaling, then (when `filtered`) the kept set of
-    `process_logits` as a constant mask."""
+    logits. Differentiable: temperature scaling, then (when `filtered`, at temperature > 0)
+    the kept set of `process_logits` as a constant mask. `invariant`: normalised by the
+    generator's `log_normalizer` (bitwise its log-probs, any row count), else by
+    `jax.nn.log_softmax`."""
     x = logits.astype(jnp.float32)
     z = (x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))) / _temperature(sampling)
     if filtered:
-        kept = jnp.isfinite(jax.lax.stop_gradient(process_logits(x, sampling)))
+        greedy = jnp.asarray(sampling.temperature, jnp.float32) <= 0  # unfiltered (convention)
+        kept = jnp.isfinite(jax.lax.stop_gradient(process_logits(x, sampling))) | greedy
         z = jnp.where(kept, z, -jnp.inf)
+    if invariant:
+        top = jax.lax.stop_gradient(jnp.max(z, axis=-1))
+        e = jnp.exp(z - top[..., None])  # 0 outside the kept set
+        log_z = normalizer_from_blocks(top, block_sums(e))
+        zt = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+        ez = jnp.where(e > 0, e * (z - top[..., None]), 0.0)
+        return zt - log_z, _entropy(log_z - top, block_sums(ez), block_sums(e))
     logp = jax.nn.log_softmax(z, axis=-1)
     lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     p = jnp.exp(logp)
     # -inf outside the kept set: zeroed before the product, so its gradient is 0, not nan
     entropy = -jnp.sum(p * jnp.where(jnp.isfinite(logp), logp, 0.0), axis=-1)
     return lp, entropy
+
+
+def _entropy(log_s, ez_sums, e_sums):
+    """Entropy log S - sum(e z) / S of softmax(z) from the block sums of e = exp(z - top) and
+    e (z - top), log_s = log S (the invariant paths' one formula, chunked or not)."""
+    return log_s - tree_sum(ez_sums) / tree_sum(e_sums)
 
 
 def _online_update(m, s, zs, z, valid):
@@ -104,7 +123,7 @@ def _online_update(m, s, zs, z, valid):
     return m_new, s_new, zs_new
 
 
-def _vocab_chunked(h, w, vocab_axis, targets, temperature, chunk, invariant):
+def _vocab_chunked(h, w, vocab_axis, targets, temperature, chunk):
     """(log p(target), entropy) [N] of softmax(h w / temperature), scanning vocab chunks."""
     v = w.shape[vocab_axis]
     chunks = _weight_chunks(w, vocab_axis, chunk)
@@ -114,7 +133,7 @@ def _vocab_chunked(h, w, vocab_axis, targets, temperature, chunk, invariant):
     def body(carry, xs):
         m, s, zs, z_target = carry
         wc, start = xs
-        z = _project(h, wc, vocab_axis, invariant) / temperature  # [N, c]
+        z = _project(h, wc, vocab_axis, False) / temperature  # [N, c]
         cols = start + jnp.arange(chunk, dtype=jnp.int32)
         z_target = z_target + jnp.sum(jnp.where(cols == targets[:, None], z, 0.0), axis=-1)
         return (*_online_update(m, s, zs, z, cols < v), z_target), None
@@ -124,6 +143,43 @@ def _vocab_chunked(h, w, vocab_axis, targets, temperature, chunk, invariant):
     (m, s, zs, z_target), _ = jax.lax.scan(body, init, (chunks, starts))
     log_s = jnp.log(s)
     return z_target - (m + log_s), log_s - zs / s
+
+
+def _invariant_vocab_chunked(h, w, vocab_axis, targets, temperature, chunk):
+    """`_vocab_chunked` with the generator's reduction (`log_normalizer`): a first scan finds
+    each row's logit maximum (exact in any order), a second sums exp((x - max) / T) over
+    vocabulary blocks; chunk is a multiple of VOCAB_BLOCK, so the blocks, their sums and the
+    tree over them are the same at any chunk size and the same as the whole row's."""
+    v = w.shape[vocab_axis]
+    chunks = _weight_chunks(w, vocab_axis, chunk)
+    starts = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
+    n = h.shape[0]
+
+    def peak_body(m, xs):  # [N] running max of the logits (no gradient)
+        wc, start = xs
+        x = _project(jax.lax.stop_gradient(h), jax.lax.stop_gradient(wc), vocab_axis, True)
+        valid = start + jnp.arange(chunk, dtype=jnp.int32) < v
+        return jnp.maximum(m, jnp.max(jnp.where(valid, x, -jnp.inf), axis=-1)), None
+
+    peak, _ = jax.lax.scan(peak_body, jnp.full((n,), -jnp.inf), (chunks, starts))
+    peak = jax.lax.stop_gradient(peak)
+
+    @jax.checkpoint
+    def body(z_target, xs):
+        wc, start = xs
+        z = (_project(h, wc, vocab_axis, True) - peak[:, None]) / temperature  # [N, c], <= 0
+        valid = start + jnp.arange(chunk, dtype=jnp.int32) < v
+        e = jnp.where(valid, jnp.exp(jnp.where(valid, z, 0.0)), 0.0)  # the row max is exactly 0
+        ez = jnp.where(e > 0, e * z, 0.0)
+        at = targets - start
+        here = (at >= 0) & (at < chunk)
+        picked = jnp.take_along_axis(z, jnp.clip(at, 0, chunk - 1)[:, None], axis=1)[:, 0]
+        return jnp.where(here, picked, z_target), (block_sums(e), block_sums(ez))
+
+    z_target, (e_sums, ez_sums) = jax.lax.scan(body, jnp.zeros((n,)), (chunks, starts))
+    e_sums, ez_sums = (jnp.moveaxis(x, 0, 1).reshape(n, -1) for x in (e_sums, ez_sums))
+    log_z = normalizer_from_blocks(jnp.zeros((n,)), e_sums)  # the shift: max z = 0
+    return z_target - log_z, _entropy(log_z, ez_sums, e_sums)
 
 
 def _row_chunked(h, w, vocab_axis, targets, sampling, filtered, rows, invariant):
@@ -137,7 +193,7 @@ def _row_chunked(h, w, vocab_axis, targets, sampling, filtered, rows, invariant)
     @jax.checkpoint
     def body(_, xs):
         logits = _project(xs[0], w, vocab_axis, invariant)  # [rows, V]
-        return None, dense_logprobs(logits, xs[1], sampling, filtered)
+        return None, dense_logprobs(logits, xs[1], sampling, filtered, invariant)
 
     _, (lp, entropy) = jax.lax.scan(body, None, (hc, tc))
     return lp.reshape(-1)[:n], entropy.reshape(-1)[:n]
@@ -157,26 +213,32 @@ def token_logprobs(
     """`dense_logprobs` of the logits hidden @ weight without materialising them when
     0 < chunk < V: unfiltered, in vocabulary chunks of `chunk`; filtered (top-k/top-p), in
     row chunks of at most rows x chunk logits (at least one row). chunk 0, or a vocabulary
-    that fits in one chunk, computes the logits whole. `invariant`: the batch-invariant
-    matmul of the policy's batch_invariant mode."""
+    that fits in one chunk, computes the logits whole. `invariant` (the policy's
+    batch_invariant mode): the batch-invariant matmul and the generator's log-normaliser,
+    vocabulary chunks rounded up to a multiple of `VOCAB_BLOCK`: the log-probs are the
+    generator's bit for bit whatever `chunk` and the row count."""
     if vocab_axis not in (0, 1):
         raise ValueError(f"token_logprobs: vocab_axis={vocab_axis!r}; valid: 0 ([V, H]) or 1 "
                          f"([H, V])")
     if not isinstance(chunk, int) or chunk < 0:
         raise ValueError(f"token_logprobs: chunk={chunk!r}; valid: an int >= 0 (0: unchunked)")
     vocab = weight.shape[vocab_axis]
+    if invariant and chunk:
+        chunk = -(-chunk // VOCAB_BLOCK) * VOCAB_BLOCK
     if chunk == 0 or chunk >= vocab:
         logits = _project(hidden, weight, vocab_axis, invariant)
-        return dense_logprobs(logits, targets.astype(jnp.int32), sampling, filtered)
+        return dense_logprobs(logits, targets.astype(jnp.int32), sampling, filtered, invariant)
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).astype(jnp.int32)
     if filtered:
         rows = max(1, h.shape[0] * chunk // vocab)
         lp, entropy = _row_chunked(h, weight, vocab_axis, t, sampling, filtered, rows, invariant)
+    elif invariant:
+        lp, entropy = _invariant_vocab_chunked(h, weight, vocab_axis, t, _temperature(sampling),
+                                               chunk)
     else:
-        lp, entropy = _vocab_chunked(h, weight, vocab_axis, t, _temperature(sampling), chunk,
-                                     invariant)
+        lp, entropy = _vocab_chunked(h, weight, vocab_axis, t, _temperature(sampling), chunk)
     return lp.reshape(lead), entropy.reshape(lead)
 
 
@@ -221,12 +283,20 @@ def soft_cross_entropy(
     draft_weight,  # [Hd, Vd] the draft head's LM head
     *,
     chunk: int,
+    invariant: bool = False,
 ):  # -> (CE [N] float32, agree [N] bool: the two argmaxes match)
     """-sum_v p(v) log q(v) with p = softmax(target_hidden @ target_weight) and q =
-    softmax(draft_hidden @ draft_weight), over draft-vocab chunks (chunk 0: whole)."""
+    softmax(draft_hidden @ draft_weight), over draft-vocab chunks (chunk 0: whole).
+    `invariant` (the policy's batch_invariant mode): the target's batch-invariant matmul and
+    the generator's reduction (`_invariant_soft_cross_entropy`), the same at any chunk."""
     target_hidden = jax.lax.stop_gradient(target_hidden)
     target_weight = jax.lax.stop_gradient(target_weight)
     vd = draft_weight.shape[1]
+    if invariant:  # chunks of whole blocks, at most the (block-padded) vocabulary
+        whole = -(-vd // VOCAB_BLOCK) * VOCAB_BLOCK
+        chunk = min(-(-chunk // VOCAB_BLOCK) * VOCAB_BLOCK, whole) if chunk else whole
+        return _invariant_soft_cross_entropy(target_hidden, target_weight, draft_hidden,
+                                             draft_weight, chunk)
     chunk = vd if chunk == 0 or chunk >= vd else chunk
     tw = _weight_chunks(target_weight, 1, chunk)
     dw = _weight_chunks(draft_weight, 1, chunk)
@@ -261,6 +331,53 @@ def soft_cross_entropy(
     init = (neg, zero, zero, neg, zero, neg, index, neg, index)
     (mt, st, cross, mq, sq, _, arg_t, _, arg_q), _ = jax.lax.scan(body, init, (tw, dw, starts))
     return mq + jnp.log(sq) - cross / st, arg_t == arg_q
+
+
+def _invariant_soft_cross_entropy(target_hidden, target_weight, draft_hidden, draft_weight,
+                                  chunk: int):
+    """`soft_cross_entropy` reduced as `log_normalizer` reduces: a first scan finds both
+    distributions' maxima and argmaxes (exact in any order), a second sums exp(z - max) and
+    p's unnormalised weights times (zq - max) over VOCAB_BLOCK blocks (chunk a multiple of
+    it), then a tree over the blocks: CE = log Sq - sum(et (zq - mq)) / St."""
+    vd = draft_weight.shape[1]
+    tw = _weight_chunks(target_weight, 1, chunk)
+    dw = _weight_chunks(draft_weight, 1, chunk)
+    starts = jnp.arange(tw.shape[0], dtype=jnp.int32) * chunk
+    n = draft_hidden.shape[0]
+
+    def logits(twc, dwc, hq):  # -> zt, zq [N, c] float32
+        return _project(target_hidden, twc, 1, True), (hq @ dwc).astype(jnp.float32)
+
+    def peak_body(carry, xs):
+        twc, dwc, start = xs
+        valid = start + jnp.arange(chunk, dtype=jnp.int32) < vd
+        out = []
+        for (best, arg), z in zip((carry[:2], carry[2:]),
+                                  logits(twc, dwc, jax.lax.stop_gradient(draft_hidden))):
+            z = jnp.where(valid, z, -jnp.inf)
+            top = jnp.max(z, axis=-1)
+            better = top > best  # strict: an earlier chunk keeps a tie
+            out += [jnp.where(better, top, best),
+                    jnp.where(better, start + jnp.argmax(z, axis=-1).astype(jnp.int32), arg)]
+        return tuple(out), None
+
+    neg, index = jnp.full((n,), -jnp.inf), jnp.zeros((n,), jnp.int32)
+    (mt, arg_t, mq, arg_q), _ = jax.lax.scan(peak_body, (neg, index, neg, index), (tw, dw, starts))
+    mt, mq = jax.lax.stop_gradient(mt), jax.lax.stop_gradient(mq)
+
+    @jax.checkpoint
+    def body(_, xs):
+        twc, dwc, start = xs
+        valid = start + jnp.arange(chunk, dtype=jnp.int32) < vd
+        zt, zq = logits(twc, dwc, draft_hidden)
+        dq = jnp.where(valid, zq - mq[:, None], 0.0)
+        et = jnp.where(valid, jnp.exp(jnp.where(valid, zt - mt[:, None], 0.0)), 0.0)
+        eq = jnp.where(valid, jnp.exp(dq), 0.0)
+        return None, (block_sums(et), block_sums(eq), block_sums(et * dq))
+
+    _, sums = jax.lax.scan(body, None, (tw, dw, starts))
+    st, sq, cross = (tree_sum(jnp.moveaxis(x, 0, 1).reshape(n, -1)) for x in sums)
+    return jnp.log(sq) - cross / st, arg_t == arg_q
 
 
 def split_rows(tree, micro: int):

@@ -206,7 +206,7 @@ def _chunked_ce_terms(head, params, embed_fn, features, tokens, valid, target: T
         tgt = jnp.roll(th, -(1 + s), axis=1).reshape(b * t, -1)
         ce, agree = chunked.soft_cross_entropy(
             tgt, w_draft, module.norm(hidden[s]).reshape(b * t, -1), module.lm_head[...],
-            chunk=cfg.chunk)
+            chunk=cfg.chunk, invariant=target.invariant)
         return ce.reshape(b, t), agree.reshape(b, t)
     return term
 

@@ -50,9 +50,10 @@ class GRPOConfig:
     # step recomputes `reuse_check_rows` rows (all rows at a run's first step) and compares.
     reuse_generation_logprobs: bool = False
     reuse_check_rows: int = 8  # >= 1; rounded up to a multiple of the training batch shards
-    # max |generation - training| log-prob allowed (0 = bitwise). Measured on this CPU:
-    # bitwise with model.batch_invariant on one device; float32 default <= 2.3e-6 (a few
-    # ulps); plain bf16 up to 1.1e-2, refused (docs/BENCHMARKS.md)
+    # max |generation - training| log-prob allowed (0 = bitwise). With model.batch_invariant
+    # both use one log-normaliser: bitwise at any vocabulary, logprob_chunk and micro_batch
+    # (0 holds); measured on this CPU: float32 default <= 2.3e-6 (a few ulps); plain bf16 up
+    # to 1.1e-2, refused (docs/BENCHMARKS.md, docs/training.md)
     reuse_tolerance: float = 1e-5
     reuse_on_mismatch: Literal["error", "recompute"] = "error"  # over tolerance: stop, or
     #                                                 recompute this step (and log it)

@@ -287,7 +287,10 @@ def _all_methods(key, logits, tree, cfg, positions, q):
     verdicts["rejection+q"] = verify(
         key, logits, tree, cfg, method="rejection", positions=positions, draft_probs=q
     )
-    return verdicts, process_logits(logits, cfg)
+    # the reported law: the processed target's; at temperature 0 the unscaled softmax
+    # (sampling.report_logprobs: the convention the trainer scores greedy rollouts under)
+    unscaled = process_logits(logits, SamplingConfig(1.0))
+    return verdicts, jnp.where(cfg.temperature > 0, process_logits(logits, cfg), unscaled)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -338,7 +341,7 @@ def test_verdicts_are_well_formed(vocab, seed, scale, temperature, top_k, top_p,
             n = n_acc[b] + 1
             assert path[b, 0] == 0
             assert np.all(tok[b, n:] == 0) and np.all(lp[b, n:] == 0) and np.all(path[b, n:] == -1)
-            # Emitted tokens lie in the processed target's support, with its log-probs.
+            # Emitted tokens lie in the processed target's support, with the reported log-probs.
             np.testing.assert_array_equal(lp[b, :n], logp[b, path[b, :n], tok[b, :n]])
             assert np.all(np.isfinite(lp[b, :n])) and np.all(lp[b, :n] <= 0)
             for d in range(1, n):  # the accepted path is a root-down chain of drafted tokens

@@ -281,3 +281,85 @@ def test_ttt_attention_in_query_blocks_equals_the_whole():
     np.testing.assert_allclose(f(q, 4), f(q, 64), rtol=1e-6, atol=1e-6)
     grad = jax.grad(lambda q, block: jnp.sum(jnp.sin(f(q, block))), argnums=0)
     np.testing.assert_allclose(grad(q, 4), grad(q, 64), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- the invariant reduction
+# A vocabulary of 4 VOCAB_BLOCKs (the last one partial): the invariant scorer's chunked path
+# (two scans: the row max, then block sums) against float64 NumPy, its gradients against the
+# closed form and against jax.nn.log_softmax's, and chunk-size independence bit for bit.
+VI = 1000
+
+
+def _invariant_inputs(seed):
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((3, 5, H)).astype(np.float32)
+    w = (rng.standard_normal((H, VI)) / 2).astype(np.float32)
+    return h, w, rng.integers(0, VI, (3, 5)).astype(np.int32)
+
+
+@pytest.mark.parametrize("temperature, filters", [(0.7, {}), (1.3, dict(top_k=6, top_p=0.8)),
+                                                  (0.0, {})])
+def test_invariant_logprobs_and_gradients_match_float64_at_any_chunk(temperature, filters):
+    """Temperature 0 scores the unscaled, unfiltered softmax (the generator's convention)."""
+    h, w, targets = _invariant_inputs(6)
+    sampling = SamplingConfig(temperature, filters.get("top_k", 0), filters.get("top_p", 1.0))
+    if filters:
+        targets = _np_reference(h, w, targets, temperature, **filters)[2].argmax(-1).astype(np.int32)
+    d_lp, d_entropy = np.random.default_rng(7).standard_normal((2, 3, 5))
+    results = []
+    for chunk in (256, 300, 512, 0):  # 300 runs as 512
+        def f(h, w, chunk=chunk):
+            return chunked.token_logprobs(h, w, targets, sampling, vocab_axis=1,
+                                          filtered=bool(filters), chunk=chunk, invariant=True)
+
+        lp, entropy = jax.jit(f)(jnp.asarray(h), jnp.asarray(w))
+        grads = jax.jit(jax.grad(lambda h, w: jnp.sum(d_lp * f(h, w)[0] + d_entropy * f(h, w)[1]),
+                                 argnums=(0, 1)))(jnp.asarray(h), jnp.asarray(w))
+        results.append((np.asarray(lp), np.asarray(entropy)))
+        want_lp, want_entropy, _, _ = _np_reference(h, w, targets, temperature, **filters)
+        np.testing.assert_allclose(lp, want_lp, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(entropy, want_entropy, atol=2e-5, rtol=1e-5)
+        want_dh, want_dw = _np_grads(h, w, targets, temperature, d_lp, d_entropy, **filters)
+        np.testing.assert_allclose(grads[0], want_dh, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(grads[1], want_dw, atol=2e-5, rtol=1e-4)
+        if not filters:  # d lp / d(h, w) as jax.nn.log_softmax's autodiff gives it
+            def plain(h, w):
+                z = (h @ w) / (temperature or 1.0)
+                lp = jnp.take_along_axis(jax.nn.log_softmax(z), targets[..., None], -1)[..., 0]
+                return jnp.sum(d_lp * lp)
+            ref = jax.grad(plain, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(w))
+            got = jax.grad(lambda h, w: jnp.sum(d_lp * f(h, w)[0]), argnums=(0, 1))(
+                jnp.asarray(h), jnp.asarray(w))
+            for a, b in zip(got, ref):
+                np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    for lp, entropy in results[1:]:  # the same bits at every chunk size
+        np.testing.assert_array_equal(lp, results[0][0])
+        np.testing.assert_array_equal(entropy, results[0][1])
+
+
+def test_invariant_draft_soft_cross_entropy_is_chunk_independent_and_matches_float64():
+    rng = np.random.default_rng(8)
+    th = rng.standard_normal((6, H)).astype(np.float32)
+    tw = (rng.standard_normal((H, VI)) / 2).astype(np.float32)
+    dh = rng.standard_normal((6, 12)).astype(np.float32)
+    dw = (rng.standard_normal((12, VI)) / 2).astype(np.float32)
+    zt, zq = th.astype(np.float64) @ tw, dh.astype(np.float64) @ dw
+    p = np.exp(zt - zt.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    logq = zq - zq.max(-1, keepdims=True)
+    logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
+    want = -(p * logq).sum(-1)
+    outs = []
+    for chunk in (256, 700, 0):
+        ce, agree = chunked.soft_cross_entropy(jnp.asarray(th), jnp.asarray(tw), jnp.asarray(dh),
+                                               jnp.asarray(dw), chunk=chunk, invariant=True)
+        np.testing.assert_allclose(ce, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(agree, zt.argmax(-1) == zq.argmax(-1))
+        outs.append(np.asarray(ce))
+        grad = jax.grad(lambda d: jnp.sum(chunked.soft_cross_entropy(
+            jnp.asarray(th), jnp.asarray(tw), d, jnp.asarray(dw), chunk=chunk,
+            invariant=True)[0]))(jnp.asarray(dh))
+        q = np.exp(logq)
+        np.testing.assert_allclose(grad, (q - p) @ dw.T.astype(np.float64), atol=1e-5, rtol=1e-4)
+    for ce in outs[1:]:
+        np.testing.assert_array_equal(ce, outs[0])

@@ -110,3 +110,36 @@ def test_reuse_is_refused_in_async_mode(base, tmp_path):
     cfg = make_config(tmp_path, *REUSE, "async.enabled=true", "grpo.tis=token")
     with pytest.raises(ConfigError, match="grpo.reuse_generation_logprobs.*false when async"):
         GRPOTrainer(cfg, policy=policy, head=head)
+
+
+INVARIANT = ["model.batch_invariant=true", "grpo.reuse_tolerance=0", "grpo.tis=token",
+             "grpo.micro_batch=8", "grpo.logprob_chunk=256"]
+
+
+@pytest.mark.parametrize("temperature", ["1.0", "0.0"])
+def test_invariant_reuse_is_bitwise_the_recompute_path_every_step(base, tmp_path, temperature):
+    """Issue 38's done-when on the shortened tiny config: with model.batch_invariant the
+    generation log-probs are the scorer's bit for bit (tolerance 0), so every step reuses them
+    (reported as reuse/reused) and trains to the recompute path's losses and params exactly;
+    the truncated importance weights exp(old - gen) are exactly 1, at temperature 1 and at 0
+    (greedy: both sides report the unscaled softmax), chunked (logprob_chunk 256 < V is still
+    one VOCAB_BLOCK here) and micro-batched."""
+    policy, head = base
+    policy = policy.with_config(batch_invariant=True)
+    extra = [*INVARIANT, f"sampling.temperature={temperature}", "run.steps=3"]
+    reuse = GRPOTrainer(make_config(tmp_path / "reuse", *REUSE, *extra), policy=policy, head=head)
+    plain = GRPOTrainer(make_config(tmp_path / "plain", *extra), policy=policy, head=head)
+    for _ in range(3):
+        mr, mp = reuse.step(), plain.step()
+        np.testing.assert_array_equal(reuse.last_batch.tokens, plain.last_batch.tokens)
+        assert mr["reuse/reused"] == 1 and mr["reuse/mismatch_max"] == 0.0
+        assert mp["grpo/logprob_mismatch_max"] == 0.0  # the recompute path measures 0 too
+        assert mp["grpo/importance_weight_mean"] == 1.0
+        assert mp["grpo/importance_weight_truncated_fraction"] == 0.0
+        for key in ("grpo/loss", "grpo/kl", "grpo/grad_norm", "grpo/ratio_mean"):
+            assert mr[key] == mp[key], key
+        for a, b in zip(_leaves(reuse.policy.params), _leaves(plain.policy.params), strict=True):
+            np.testing.assert_array_equal(a, b)
+    if temperature == "0.0":  # the unscaled softmax, not the point mass's log p = 0
+        lp = np.asarray(plain.last_scored["gen_logprobs"])[np.asarray(plain.last_scored["mask"])]
+        assert lp.min() < -1e-3
