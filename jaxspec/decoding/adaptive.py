@@ -298,11 +298,7 @@ def measure_costs(
     from jaxspec.timing import interleaved
 
     if ks is None:
-        top = getattr(drafter, "k", None)
-        if not isinstance(top, int):
-            raise ValueError(f"measure_costs: pass ks (the drafter {type(drafter).__name__} has "
-                             f"no chain length k)")
-        ks = tuple(range(top + 1))
+        ks = tuple(range(drafter.max_depth + 1))
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an int >= 1; got {iterations!r}")
     if not isinstance(rounds, int) or rounds < 1:

@@ -27,6 +27,22 @@ def _target_ids(ids, index):  # candidate indices -> target token ids (ids None:
     return (index if ids is None else ids[index]).astype(jnp.int32)
 
 
+def pick_draft(logits, ctx: DraftContext, offset: int, ids=None, coupled: bool = True):
+    """The candidate index [B] a replay chain drafts from draft logits [B, C] at absolute
+    position `lengths + offset`: with `coupled` and the verifier's noise in `ctx`, the
+    Gumbel-max draw from the processed q with that noise (`ids` [C]: the candidates' target
+    ids, which index the noise; None: the candidates are the target vocabulary), so the draft
+    equals the policy's token whenever q and p pick the same token under the same noise (q =
+    p: always); otherwise the argmax of q."""
+    if not coupled or ctx.verifier_noise is None:
+        return jnp.argmax(logits, axis=-1)
+    z = processed_logits(logits, ctx.sampling)
+    noise = ctx.verifier_noise[:, offset]  # [B, V]
+    if ids is not None:
+        noise = jnp.take(noise, ids, axis=-1)  # [B, C]
+    return jnp.argmax(z + noise, axis=-1)
+
+
 def _choose(logits, ctx: DraftContext, offset: int, ids=None, vocab=None, coupled=True):
     """One draft token per row for absolute position `lengths + offset`, from draft logits
     [batch, C] over candidates whose target ids are `ids` [C] (None: the candidates are the
@@ -34,19 +50,10 @@ def _choose(logits, ctx: DraftContext, offset: int, ids=None, vocab=None, couple
 
     - rejection (`ctx.sampled`): a sample from the processed draft distribution q with the
       row's draft key, and q over the target vocabulary;
-    - replay with `coupled`: the Gumbel-max draw from q with the verifier's noise at that
-      position (`DraftContext.verifier_noise`), so the draft equals the policy's token
-      whenever q and p pick the same token under the same noise (q = p: always);
-    - otherwise the argmax of q.
+    - replay: `pick_draft` (coupled: the verifier's noise; else the argmax), and None.
     """
     if not ctx.sampled:
-        if not coupled or ctx.verifier_noise is None:
-            return _target_ids(ids, jnp.argmax(logits, axis=-1)), None
-        z = processed_logits(logits, ctx.sampling)
-        noise = ctx.verifier_noise[:, offset]  # [batch, V]
-        if ids is not None:
-            noise = jnp.take(noise, ids, axis=-1)
-        return _target_ids(ids, jnp.argmax(z + noise, axis=-1)), None
+        return _target_ids(ids, pick_draft(logits, ctx, offset, ids, coupled)), None
     logq = process_logits(logits, ctx.sampling)
     keys = ctx.draft_keys(offset)  # [batch]
     drawn = jax.vmap(lambda k, lq: jax.random.categorical(k, lq))(keys, logq)
@@ -303,11 +310,14 @@ class _HeadDrafter:
     forwards_per_observe = 1
 
     def with_k(self, k: int):
-        """The same head drafting chains of k (adaptive draft length); chains only."""
-        if self.tree is not None:
-            raise ValueError(f"adaptive draft length needs chain drafts; {type(self).__name__} "
-                             f"drafts a tree ({self.tree})")
-        return dataclasses.replace(self, k=k)
+        """The same head drafting k deep (adaptive draft length): a chain of k, or the tree
+        cut to depth k (its budget capped at what that depth expands, at least k)."""
+        _check_k(k)
+        if self.tree is None:
+            return dataclasses.replace(self, k=k)
+        spec = self.tree
+        budget = max(k, min(spec.budget, TreeSpec.max_nodes(spec.top_k, k)))
+        return dataclasses.replace(self, tree=TreeSpec(top_k=spec.top_k, depth=k, budget=budget))
 
     def check_compatible(self, policy) -> None:
         self.head.check_compatible(policy)

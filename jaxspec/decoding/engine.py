@@ -640,7 +640,7 @@ def _generate_jit(
             return _reset_draft_rows(drafter, policy, st, row_axes, pending_reset, max_len)
 
         def observe(st):
-            return drafter.observe(st, policy, both.in_position_order())
+            return drafter.observe(st, policy, both.in_position_order(limit=max_len))
 
         def catch_up(st):  # the inner conditionals run only where there is something to do
             if pending_reset is not None:

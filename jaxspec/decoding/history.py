@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding.drafters import Eagle3Drafter, _ModelFree
+from jaxspec.decoding.drafters import Eagle3Drafter, _ModelFree, pick_draft
 from jaxspec.decoding.protocols import DraftContext, Observation
 from jaxspec.decoding.tree import Tree
 
@@ -352,6 +352,11 @@ class HistoryDrafter(_ModelFree):
     max_depth = property(lambda self: self.k)
     supports_rejection = False
 
+    def with_k(self, k: int) -> HistoryDrafter:
+        """The same drafter drafting k deep (adaptive draft length; budget kept, >= k)."""
+        _check_int(type(self).__name__, "k", k, 1)
+        return dataclasses.replace(self, k=k, budget=max(self.budget, k))
+
     def check_prompts(self, n: int) -> None:
         if n != self.siblings.shape[0]:
             raise ValueError(f"{type(self).__name__} was built for {self.siblings.shape[0]} "
@@ -379,7 +384,9 @@ class HistoryDrafter(_ModelFree):
 
 
 def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
-    """The head's argmax chain and its cumulative log-probs: ([B, k] int32, [B, k] float32)."""
+    """The head's chain and its cumulative log-probs under the head: ([B, k] int32, [B, k]
+    float32). Each draft is picked as `Eagle3Drafter` picks a chain's (`drafters.pick_draft`):
+    coupled under replay, the Gumbel-max draw with the verifier's noise; else the argmax."""
     head, cache, hidden = head_drafter.head, state.cache, state.last_hidden
     pos = ctx.lengths - 1
     tokens, logps, total = [], [], 0.0
@@ -388,9 +395,9 @@ def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
             out, cache = head.forward(policy.embed(tokens[-1][:, None]), hidden[:, None],
                                       (pos + i - 1)[:, None], cache, fuse=False)
             hidden = out[:, 0].astype(jnp.float32)
-        logits, ids = head.draft_logits(hidden, policy)
+        logits, ids = head.draft_logits(hidden, policy)  # [B, C], [C] | None
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        best = jnp.argmax(logp, axis=-1)
+        best = pick_draft(logits, ctx, i, ids, coupled=head_drafter.coupled)  # [B] candidate
         total = total + jnp.take_along_axis(logp, best[:, None], axis=1)[:, 0]
         tokens.append((best if ids is None else ids[best]).astype(jnp.int32))
         logps.append(total)
@@ -514,6 +521,15 @@ class HybridDrafter:
     forwards_per_propose = property(lambda self: self.head.forwards_per_propose)
     forwards_per_observe = property(lambda self: self.head.forwards_per_observe)
 
+    def with_k(self, k: int) -> HybridDrafter:
+        """The same drafter drafting at most k deep (adaptive draft length): the history's
+        depth and the head's chain cut to k, the budget and the ring kept (one state shape
+        for every k)."""
+        _check_int(type(self).__name__, "k", k, 1)
+        return dataclasses.replace(self, history=self.history.with_k(min(k, self.history.k)),
+                                   head=self.head.with_k(min(k, self.head.k)),
+                                   window=self.ring_size)
+
     def check_compatible(self, policy) -> None:
         self.history.check_compatible(policy)
         self.head.check_compatible(policy)
@@ -562,7 +578,8 @@ class HybridDrafter:
     def _flush_and_draft(self, state: HybridState, policy, ctx: DraftContext):
         """The head observes its pending entries (in position order), then drafts its chain.
         -> (chain, log-probs, head state, the emptied ring)."""
-        head = self.head.observe(state.head, policy, state.pending.in_position_order())
+        ring = state.pending.in_position_order(limit=state.head.cache.max_len)  # fits the cache
+        head = self.head.observe(state.head, policy, ring)
         chain, logp = _head_chain(self.head, head, policy, ctx)
         return chain, logp, head, state.pending.cleared()
 

@@ -100,11 +100,15 @@ class Observation:
     positions: jax.Array  # [B, M] int32, < 0 marks padding
     captured: dict[int, jax.Array]  # {layer: [B, M, H]}
 
-    def in_position_order(self) -> Observation:
+    def in_position_order(self, limit: int | None = None) -> Observation:
         """The entries sorted by position per row, padding last (deferred entries kept in a
-        ring are observed this way, in one forward)."""
+        ring are observed this way, in one forward), keeping the first `limit` columns
+        (None: all). Entries hold distinct positions below a cache's capacity, so `limit` =
+        that capacity keeps every real entry and sizes the forward to the cache."""
         order = jnp.argsort(jnp.where(self.positions >= 0, self.positions,
                                       jnp.iinfo(jnp.int32).max), axis=1)
+        if limit is not None:
+            order = order[:, :limit]
         return jax.tree.map(
             lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
             self)
