@@ -25,7 +25,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoding.sampling import SamplingConfig, coin_flips, gumbel_noise, processed_logits
+from jaxspec.decoding.sampling import (
+    SamplingConfig,
+    coin_flips,
+    gumbel_noise,
+    processed_logits,
+)
 from jaxspec.decoding.tree import Tree
 from jaxspec.kernels.invariant import log_normalizer
 

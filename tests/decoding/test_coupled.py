@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jaxspec.decoding import SamplingConfig, generate
-from jaxspec.decoding.drafters import DraftModelDrafter, _choose
+from jaxspec.decoding.drafters import DraftModelDrafter
+from jaxspec.decoding.draws import choose_draft as _choose
 from jaxspec.decoding.protocols import DraftContext
 from jaxspec.decoding.sampling import sample
 from jaxspec.decoding.verify import replay_noise
@@ -146,7 +147,12 @@ def test_the_hybrid_head_draws_as_its_chain_drafter_does(policy, temperature):
     implementation), coupled and argmax alike. At temperature 1 the coupled draws are accepted
     far more often than the argmax (near-uniform random p and q: the shared noise decides
     both); at temperature 0 there is no noise and the two are the same. All equal plain."""
-    from jaxspec.decoding import Eagle3Drafter, HistoryDrafter, HistoryStore, HybridDrafter
+    from jaxspec.decoding import (
+        Eagle3Drafter,
+        HistoryDrafter,
+        HistoryStore,
+        HybridDrafter,
+    )
     from jaxspec.models.eagle3 import Eagle3Head
 
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]

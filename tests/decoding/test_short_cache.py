@@ -11,8 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import (AdaptiveK, DraftModelDrafter, Eagle3Drafter, HistoryDrafter,
-                              HybridDrafter, MTPDrafter, SamplingConfig, TreeSpec, generate)
+from jaxspec.decoding import (
+    AdaptiveK,
+    DraftModelDrafter,
+    Eagle3Drafter,
+    HistoryDrafter,
+    HybridDrafter,
+    MTPDrafter,
+    SamplingConfig,
+    TreeSpec,
+    generate,
+)
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.mtp import MTPHead
@@ -60,3 +69,13 @@ def test_gated_hybrid_on_a_short_cache_equals_plain(setup, slots):
     policy, drafters, plain = setup
     out = generate(policy, PROMPTS, drafter=drafters["hybrid"], slots=slots, **COMMON)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+
+
+def test_adaptive_without_k_0_drafts_every_iteration(setup):
+    """ks without 0: one program drafting at the chosen k every iteration (never plain)."""
+    policy, drafters, plain = setup
+    adaptive = AdaptiveK(jnp.array([1.0, 1.2]), ks=(1, 2))
+    out = generate(policy, PROMPTS, drafter=drafters["draft_model"], adaptive=adaptive, **COMMON)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    k_iters = np.asarray(out.stats.k_iterations)
+    assert k_iters[0] == 0 and k_iters.sum() == int(out.stats.target_forwards) > 0
