@@ -117,7 +117,7 @@ def main(argv=None):
     start_order = leaders_first(n, g) if refill else None
 
     def run(drafter, batch_prompts, step_key, rows, iterations=None):
-        return engine._generate(policy, pad_prompts(batch_prompts, tok.pad_id), drafter=drafter,
+        return engine.generate(policy, pad_prompts(batch_prompts, tok.pad_id), drafter=drafter,
                                 sampling=sampling, max_new_tokens=args.max_new_tokens,
                                 key=step_key, stop_tokens=stops, rows=rows, pad_id=tok.pad_id,
                                 slots=args.slots, order=start_order, max_iterations=iterations)

@@ -1,20 +1,29 @@
 """Sampling, draft trees, lossless verification, drafters and the rollout engine."""
 
-from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
-from jaxspec.decoding.tree import Tree
-from jaxspec.decoding.verify import METHODS, Verdict, verify
-from jaxspec.decoding.protocols import DraftContext, DraftHead, Drafter, Observation  # noqa: E402
-from jaxspec.decoding.drafters import (  # noqa: E402  (drafters build on the above)
+from jaxspec.decoding.adaptive import AdaptiveK
+from jaxspec.decoding.costs import measure_costs
+from jaxspec.decoding.drafters import (
     DraftModelDrafter,
     Eagle3Drafter,
+    ModelFreeDrafter,
     MTPDrafter,
     NGramDrafter,
     NoDrafter,
     TreeSpec,
 )
-from jaxspec.decoding.engine import Rollouts, RolloutStats, decoding_policy, generate  # noqa: E402
-from jaxspec.decoding.adaptive import AdaptiveK, measure_costs  # noqa: E402
-from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter  # noqa: E402
+from jaxspec.decoding.engine import decoding_policy, generate
+from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter
+from jaxspec.decoding.protocols import (
+    DraftContext,
+    Drafter,
+    DraftHead,
+    Observation,
+    StateAxes,
+)
+from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
+from jaxspec.decoding.stats import Rollouts, RolloutStats
+from jaxspec.decoding.tree import Tree
+from jaxspec.decoding.verify import METHODS, Verdict, verify
 
 __all__ = [
     "METHODS",
@@ -28,12 +37,14 @@ __all__ = [
     "HistoryStore",
     "HybridDrafter",
     "MTPDrafter",
+    "ModelFreeDrafter",
     "NGramDrafter",
     "NoDrafter",
     "Observation",
     "RolloutStats",
     "Rollouts",
     "SamplingConfig",
+    "StateAxes",
     "Tree",
     "TreeSpec",
     "Verdict",

@@ -15,9 +15,8 @@ size enters through c_k, measured at that batch.
 
 A depth that is not drafted is not measured (while k = 0 wins, nothing is): probe
 iterations (the first one, then every `probe_every`) draft at the deepest k, so every
-depth's estimate keeps being refreshed and a stale low one cannot lock a short k in
-(probing only one k deeper than the best did: an unlucky early depth-3 estimate kept k = 1
-for a whole call). Only when no drafted k could win even with every depth past the first
+depth's estimate keeps being refreshed and a stale low one cannot lock a short k in. Only
+when no drafted k could win even with every depth past the first
 always accepted (E_k <= 1 + k alpha_1) does a probe draft the shallowest k: it still
 measures alpha_1, at the cost of one draft. A probe that leaves the best k unchanged
 doubles the interval to the next one (up to 16 x probe_every), one that changes it resets
@@ -25,8 +24,7 @@ the interval. A probe after which no k could make the drafter pay (whatever it c
 quadruples it (up to 64 x probe_every) and, once the depth-1 counts outweigh the prior 2
 to 1, waits at least probe_cost / (probe_budget x c_0) iterations: `measure_costs`
 measures what a probe adds to the k = 0 iteration it replaces (its draft, the deferred
-observation, two program switches; on CPU with a random EAGLE-3 head, 10-16 plain
-iterations), so after the call's first probe a drafter found hopeless costs at most
+observation, two program switches), so after the call's first probe a drafter found hopeless costs at most
 `probe_budget` of the plain time. `AdaptiveK.after(out)` carries the probe clock (and the
 acceptance, as the prior) into the next call, so a run of calls spends no more than that
 either; otherwise each call starts probing at its first iteration. A drafter whose
@@ -41,10 +39,8 @@ The loop runs in phases, one compiled program each, switched by the host: a draf
 (one inner `while_loop` per drafted k, running while that k is the choice) ends where k = 0
 is chosen; a plain phase then runs k = 0 in a loop of its own until the next probe (the
 choice cannot change before it: k = 0 adds no counts), keeping no per-iteration books and
-recording entries for the drafter only in its last `window` iterations. Nested inside the
-draft phase's loop, the same k = 0 iterations cost 3% more than plain decoding on CPU; in
-their own phase they cost what plain decoding costs. A probe then costs two program
-switches besides its draft.
+recording entries for the drafter only in its last `window` iterations (`phases`). A probe
+then costs two program switches besides its draft.
 
 Lossless by construction: with replay the tokens do not depend on the drafts at all; with
 rejection sampling the draft length is chosen from past iterations only, and each
@@ -61,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["AdaptiveK", "expected_tokens", "choose_k", "measure_costs"]
+__all__ = ["AdaptiveK", "AdaptState", "choose_k", "expected_tokens"]
 
 
 @jax.tree_util.register_dataclass
@@ -87,6 +83,9 @@ class AdaptiveK:
     # [] int32 the iteration of the call's first probe (0: the first iteration; a caller that
     # makes many calls can carry the probe clock across them)
     first_probe: jax.Array = 0
+    # [] int32 an index into ks drafted at every iteration (-1: choose; `measure_costs` times
+    # each k this way; traced: no recompile)
+    force: jax.Array = -1
     ks: tuple = dataclasses.field(default=(0, 1, 2, 3), metadata=dict(static=True))
     probe_every: int = dataclasses.field(default=16, metadata=dict(static=True))
     decay: float = dataclasses.field(default=0.9, metadata=dict(static=True))  # per drafted iteration
@@ -113,7 +112,9 @@ class AdaptiveK:
                 ("probe_cost", np.float32, lambda x: 0.0 <= x < math.inf, "a finite number >= 0"),
                 ("probe_budget", np.float32, lambda x: 0.0 < x <= 1.0, "a number in (0, 1]"),
                 ("first_probe", np.int32, lambda x: 0 <= x < 2 ** 31 and x == int(x),
-                 "an int >= 0")):
+                 "an int >= 0"),
+                ("force", np.int32, lambda x: -1 <= x < len(ks) and x == int(x),
+                 f"-1 (choose) or an index into ks (< {len(ks)})")):
             value = getattr(self, name)
             if isinstance(value, jax.core.Tracer) or not isinstance(
                     value, (numbers.Number, np.ndarray, np.generic, jax.Array, str, bytes, list, tuple)):
@@ -267,109 +268,3 @@ def choose_k(state: AdaptState, policy: AdaptiveK, iteration) -> jax.Array:
     best = _best(state, policy)
     probe = iteration >= state.next_probe
     return jnp.where(probe, _probe_index(state, policy, best), best).astype(jnp.int32)
-
-
-def measure_costs(
-    policy,
-    drafter,
-    prompts,
-    *,
-    ks=None,
-    iterations: int = 32,
-    rounds: int = 5,
-    verbose: bool = False,
-    **generate_kwargs,
-) -> AdaptiveK:
-    """Measure c_k, the time of one loop iteration at each draft length k, on the shapes of
-    `generate(policy, prompts, drafter=drafter, **generate_kwargs)` (same prompts, slots,
-    max_new_tokens, ...), and return the AdaptiveK that `generate(adaptive=...)` takes.
-
-    The programs of the real call serve every k: k is forced through a traced argument (on
-    one full-length cache, `generate(grow_cache=False)`; k = 0 times the plain phase, as it
-    runs). Per round and k: the first `iterations` iterations at k are timed and the
-    prefill-only call (0 iterations, through the same phase program) is subtracted; c_k = median over rounds of that over
-    the iterations run (floored at a tenth of the whole call's time per iteration, so noise
-    cannot make a cost vanish). With k = 0 in ks, also `probe_cost`: a call with one probe
-    (after `iterations` plain iterations) minus k = 0 for as many iterations, median over
-    rounds, at least c_1 - c_0 for the shallowest drafted k. ks: default 0..drafter.k.
-    Other AdaptiveK fields: `dataclasses.replace` the result.
-    """
-    from jaxspec.decoding import engine  # the engine imports this module
-    from jaxspec.timing import interleaved
-
-    if ks is None:
-        top = getattr(drafter, "k", None)
-        if not isinstance(top, int):
-            raise ValueError(f"measure_costs: pass ks (the drafter {type(drafter).__name__} has "
-                             f"no chain length k)")
-        ks = tuple(range(top + 1))
-    if not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"iterations must be an int >= 1; got {iterations!r}")
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an int >= 1; got {rounds!r}")
-    probe = AdaptiveK(jnp.ones((len(ks),), jnp.float32), ks=tuple(ks))
-
-    def call(force, n):
-        # one full-length cache: a growing one would charge the deeper k's (which outgrow
-        # the first capacity sooner) for the growth, skewing the ratios
-        return lambda: engine._generate(policy, prompts, drafter=drafter, adaptive=probe,
-                                        force_k=force, max_iterations=n, grow_cache=False,
-                                        **generate_kwargs)
-
-    # the prefill-only baseline, per program path: a call at k = 0 goes from the prefill to
-    # the plain phase's program, one drafting to the draft phase's (each dispatched once)
-    fns = {"prefill": call(-1, 0)}
-    if 0 in probe.ks:
-        fns["prefill_plain"] = call(probe.ks.index(0), 0)
-    fns.update({f"k{k}": call(i, iterations) for i, k in enumerate(probe.ks)})
-    measure_probe = 0 in probe.ks
-    if measure_probe:
-        # one probe after `iterations` plain ones, of a drafter no k can make pay (alpha 0 and
-        # drafts that cost 1e6 plain iterations: the probe drafts the shallowest k, then k = 0
-        # again), against k = 0 for as many iterations: what a probe costs in the real call
-        # (its deferred observation, its draft, the switches to its program and back)
-        after = iterations + 4
-        hopeless = dataclasses.replace(
-            probe, prior=0.0, first_probe=iterations,
-            costs=jnp.asarray([1.0 if k == 0 else 1e6 for k in probe.ks], jnp.float32))
-        fns["probe"] = lambda: engine._generate(policy, prompts, drafter=drafter, adaptive=hopeless,
-                                                force_k=-1, max_iterations=after, grow_cache=False,
-                                                **generate_kwargs)
-        fns["k0_probe"] = call(probe.ks.index(0), after)
-    runs = {name: fn() for name, fn in fns.items()}  # compiles (once: force and n are traced)
-    iters = {name: int(out.stats.target_forwards) for name, out in runs.items()}
-    times = interleaved(fns, rounds)
-    costs = []
-    for k in probe.ks:
-        name = f"k{k}"
-        if iters[name] < 1:
-            raise ValueError(f"measure_costs: no iteration ran at k={k} (every row finished in "
-                             f"the prefill?)")
-        prefill = times["prefill_plain" if k == 0 else "prefill"]
-        loop = float(np.median([t - t0 for t, t0 in zip(times[name], prefill)]))
-        costs.append(max(loop, 0.1 * float(np.median(times[name]))) / iters[name])
-    if not all(math.isfinite(c) and c > 0 for c in costs):
-        raise RuntimeError(f"measure_costs: invalid costs {costs}")
-    probe_cost, probed = 0.0, False
-    if measure_probe:
-        # at least the draft iteration's own extra cost (noise cannot make a probe free)
-        floor = max(costs[1] - costs[0], 0.0)
-        k_iters = np.asarray(runs["probe"].stats.k_iterations)
-        probed = (iters["probe"] == iters["k0_probe"] == after and int(k_iters[1:].sum()) == 1)
-        if probed:
-            extra = float(np.median([t - t0 for t, t0 in zip(times["probe"], times["k0_probe"])]))
-            probe_cost = max(extra, floor)
-        else:  # every row finished before the probe: its deferred work is not measurable here
-            probe_cost = floor
-    adaptive = dataclasses.replace(probe, costs=jnp.asarray(costs, jnp.float32), probe_cost=probe_cost)
-    if verbose:
-        base = costs[0]
-        print("adaptive k costs per iteration: " + ", ".join(
-            f"k={k} {c * 1e3:.2f} ms ({c / base:.2f}x)" for k, c in zip(probe.ks, costs)), flush=True)
-        if measure_probe:
-            print(f"adaptive k probe: {probe_cost * 1e3:.2f} ms beyond a k = 0 iteration"
-                  f"{'' if probed else ' (the draft iteration only: no row lived to the probe)'}; "
-                  f"a drafter no k can make pay is probed every >= "
-                  f"{int(budget_interval(adaptive))} iterations "
-                  f"({float(adaptive.probe_budget):.1%} of the time)", flush=True)
-    return adaptive

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxspec.decoding.protocols import Drafter
+from jaxspec.decoding.adaptive import AdaptiveK
+from jaxspec.decoding.drafters import NoDrafter
+from jaxspec.decoding.protocols import AdaptiveLength, Drafter
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.verify import METHODS
 from jaxspec.models import Policy
@@ -113,20 +115,20 @@ def check_drafter(drafter, policy, method: str) -> None:
         )
 
 
-def check_adaptive(adaptive, drafter, policy, method: str, max_len: int) -> dict:
-    """`generate(adaptive=...)`: {k: the drafter proposing chains of k} for every k > 0 in
-    `adaptive.ks` (k = 0 is plain decoding); {} without adaptive."""
-    from jaxspec.decoding.adaptive import AdaptiveK
-
+def check_adaptive(adaptive, drafter, policy, method: str, max_len: int) -> dict | None:
+    """`generate(adaptive=...)` -> {k: the drafter drafting k deep} for every k in
+    `adaptive.ks` (k = 0: `NoDrafter`, plain decoding), each checked against the policy and
+    the method and keeping the drafter's state shapes; None without adaptive."""
     if adaptive is None:
-        return {}
+        return None
     if not isinstance(adaptive, AdaptiveK):
         raise TypeError(f"adaptive must be a jaxspec.decoding.AdaptiveK (from "
                         f"jaxspec.decoding.measure_costs) or None; got {describe(adaptive)}")
     name = type(drafter).__name__
-    if drafter.num_nodes == 0 or not callable(getattr(drafter, "with_k", None)):
-        raise ValueError(f"adaptive draft length needs a chain drafter with a with_k method "
-                         f"(EAGLE-3, MTP, draft model, n-gram, oracle); got {name}")
+    if drafter.num_nodes == 0 or not isinstance(drafter, AdaptiveLength):
+        raise ValueError(f"adaptive draft length needs a chain drafter or a tree with a with_k "
+                         f"method (EAGLE-3, MTP, draft model, n-gram, history, hybrid, oracle); "
+                         f"got {name}")
     variants = {k: drafter.with_k(k) for k in adaptive.ks if k > 0}
     base = jax.eval_shape(lambda d, p: d.init_state(p, 2, max_len), drafter, policy)
     for k, d in variants.items():
@@ -140,7 +142,36 @@ def check_adaptive(adaptive, drafter, policy, method: str, max_len: int) -> dict
                 for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(base))):
             raise ValueError(f"adaptive draft length: {name}.with_k({k}) keeps a state of "
                              f"another shape than {name}'s; every k must share one state")
-    return variants
+    return {0: NoDrafter(), **variants} if 0 in adaptive.ks else variants
+
+
+def check_slots(slots, batch: int) -> int:
+    """`generate`'s slots as the static slot count in [1, batch]."""
+    if slots is None:
+        return batch
+    if not _is_int(slots) or slots < 1:
+        raise ValueError(f"slots must be an int >= 1 (rows decoded at once) or None (one per "
+                         f"prompt); got {describe(slots)}")
+    return min(int(slots), batch)
+
+
+def check_prompt_ids(tokens, vocab: int) -> None:  # tokens [B, P] int
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        raise ValueError(
+            f"prompt token ids must be in [0, {vocab}); got min {tokens.min()}, max {tokens.max()}"
+        )
+
+
+def check_length(width: int, max_new_tokens: int, nodes: int, limit: int) -> int:
+    """The cache length a call needs (prompt, new tokens, one verify's headroom of nodes + 1)
+    -> that length, if within the policy's max_position_embeddings `limit`."""
+    max_len = width + max_new_tokens + nodes + 1
+    if max_len > limit:
+        raise ValueError(
+            f"prompt length {width} + max_new_tokens {max_new_tokens} + draft headroom "
+            f"{nodes + 1} = {max_len} exceeds the policy's max_position_embeddings {limit}"
+        )
+    return max_len
 
 
 def check_sampling(sampling, method: str) -> SamplingConfig:
@@ -185,9 +216,10 @@ def check_key(key) -> jax.Array:
     )
 
 
-def check_positive_int(name: str, value) -> int:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1; got {describe(value)}")
+def check_positive_int(name: str, value, low: int = 1) -> int:
+    """`value` as an int >= low (1 unless told)."""
+    if not _is_int(value) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}; got {describe(value)}")
     return int(value)
 
 

@@ -32,262 +32,29 @@ With no history match the tree is the head's chain. Any draft is lossless under 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding.drafters import Eagle3Drafter, _ModelFree
-from jaxspec.decoding.protocols import DraftContext, Observation
-from jaxspec.decoding.tree import Tree
+from jaxspec.decoding.drafters import Eagle3Drafter, ModelFreeDrafter
+from jaxspec.decoding.draws import pick_draft
+from jaxspec.decoding.history_index import (
+    NEG,
+    HistoryStore,
+    lookup,
+    prompt_key,
+    select,
+    sibling_table,
+    trie,
+)
+from jaxspec.decoding.protocols import DraftContext, Observation, StateAxes
 from jaxspec.errors import FieldError
 
 __all__ = ["HistoryDrafter", "HistoryStore", "HybridDrafter", "prompt_key", "sibling_table"]
 
-_NEG = -1e30
 HISTORY, HEAD = 1, 2  # a hybrid tree node's source bits
-
-
-def prompt_key(tokens) -> int:  # tokens: [P] int prompt ids (no padding)
-    """A prompt's identity in the store: a 31-bit hash of its token ids (a collision only
-    costs draft quality, never exactness)."""
-    return zlib.crc32(np.asarray(tokens, np.int32).tobytes()) & 0x7FFFFFFF
-
-
-def sibling_table(groups) -> np.ndarray:  # groups: [B] int -> [B, G] int32
-    """Row indices of each row's group (the row itself included), -1 padded to the largest
-    group: what `HistoryDrafter.siblings` holds."""
-    groups = np.asarray(groups)
-    members = {g: np.flatnonzero(groups == g) for g in np.unique(groups)}
-    width = max(len(m) for m in members.values())
-    out = np.full((len(groups), width), -1, np.int32)
-    for i, g in enumerate(groups):
-        out[i, : len(members[g])] = members[g]
-    return out
-
-
-# --------------------------------------------------------------------------- the store
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class HistoryStore:
-    """Finished rollouts (prompt + completion) per prompt: fixed shapes, bounded memory
-    (prompts x per_prompt x width int32). A prompt gets a slot on first sight; when every
-    slot is taken, the least recently written one is reused."""
-
-    tokens: jax.Array  # [P, R, W] int32 sequences, right-padded
-    lengths: jax.Array  # [P, R] int32 (0: empty entry)
-    owner: jax.Array  # [P] int32 prompt_key of the slot's prompt, -1: free
-    next: jax.Array  # [P] int32 ring position of the slot's next write
-    written: jax.Array  # [P] int32 the `clock` value of the slot's last write
-    clock: jax.Array  # [] int32 number of `add` calls
-
-    @classmethod
-    def empty(cls, prompts: int, per_prompt: int, width: int) -> HistoryStore:
-        for name, value in (("prompts", prompts), ("per_prompt", per_prompt), ("width", width)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"HistoryStore.{name} must be an int >= 1; got {value!r}")
-        i32 = jnp.int32
-        return cls(tokens=jnp.zeros((prompts, per_prompt, width), i32),
-                   lengths=jnp.zeros((prompts, per_prompt), i32),
-                   owner=jnp.full((prompts,), -1, i32), next=jnp.zeros((prompts,), i32),
-                   written=jnp.zeros((prompts,), i32), clock=jnp.zeros((), i32))
-
-    @property
-    def width(self) -> int:
-        return self.tokens.shape[2]
-
-    def size(self) -> int:
-        """Stored sequences (the index size)."""
-        return int(np.sum(np.asarray(self.lengths) > 0))
-
-    def stored_tokens(self) -> int:
-        return int(np.sum(np.asarray(self.lengths)))
-
-    def slots_of(self, keys) -> np.ndarray:  # keys: [B] int prompt keys -> [B] int32
-        """The slot holding each prompt, -1 where none does."""
-        owner = np.asarray(self.owner)
-        keys = np.asarray(keys, np.int64)
-        hit = owner[None, :] == keys[:, None]
-        return np.where(hit.any(1), hit.argmax(1), -1).astype(np.int32)
-
-    def add(
-        self,
-        keys,  # [B] int prompt_key of each row's prompt
-        sequences,  # [B, T] int prompt + completion, right-padded
-        lengths,  # [B] int valid tokens per row
-    ) -> HistoryStore:
-        """The store with each row's sequence appended to its prompt's ring (host side)."""
-        tokens, lens = np.array(self.tokens), np.array(self.lengths)
-        owner, nxt, written = np.array(self.owner), np.array(self.next), np.array(self.written)
-        clock = int(self.clock) + 1
-        sequences, lengths = np.asarray(sequences), np.asarray(lengths)
-        keys = np.asarray(keys, np.int64)
-        if sequences.ndim != 2 or len(sequences) != len(keys) or len(lengths) != len(keys):
-            raise ValueError(f"HistoryStore.add: keys {keys.shape}, sequences {sequences.shape} "
-                             f"and lengths {lengths.shape} must describe the same rows")
-        width = tokens.shape[2]
-        for key, seq, n in zip(keys, sequences, lengths):
-            hit = np.flatnonzero(owner == key)
-            if len(hit):
-                slot = hit[0]
-            else:  # a free slot, else the least recently written one
-                free = np.flatnonzero(owner < 0)
-                slot = free[0] if len(free) else int(np.argmin(written))
-                owner[slot], nxt[slot] = key, 0
-                lens[slot] = 0
-            n = int(min(n, width, seq.shape[0]))
-            r = nxt[slot]
-            tokens[slot, r] = 0
-            tokens[slot, r, :n] = seq[:n]
-            lens[slot, r] = n
-            nxt[slot] = (r + 1) % tokens.shape[1]
-            written[slot] = clock
-        return HistoryStore(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(owner),
-                            jnp.asarray(nxt), jnp.asarray(written), jnp.asarray(clock, jnp.int32))
-
-
-# --------------------------------------------------------------------------- lookup
-
-
-def _candidates(drafter: HistoryDrafter, ctx: DraftContext):
-    """-> (tokens [B, C, W], lengths [B, C]): the row's group members (itself included) as
-    far as they have gone, then its prompt's stored sequences, padded to one width.
-
-    A member in a row of the batch is read from the engine's token buffer; one that has
-    left its row (continuous batching: finished, its row refilled) from `ctx.finished`; one
-    not started yet is empty."""
-    buf, lengths = ctx.buffer, ctx.lengths
-    batch = buf.shape[0]
-    held = jnp.arange(batch, dtype=jnp.int32) if ctx.sequences is None else ctx.sequences
-    members = drafter.siblings[held]  # [B, G] prompt indices of the row's group, -1 pad
-    member = jnp.maximum(members, 0)
-    row_of = jnp.full((drafter.siblings.shape[0],), -1, jnp.int32).at[held].set(
-        jnp.arange(batch, dtype=jnp.int32))  # the row holding each prompt, -1: none
-    row = jnp.where(members >= 0, row_of[member], -1)
-    sib_tok = buf[jnp.maximum(row, 0)]  # [B, G, Wb]
-    sib_len = jnp.where(row >= 0, lengths[jnp.maximum(row, 0)], 0)
-    store, slot = drafter.store, drafter.slots[held]
-    hist_tok = store.tokens[jnp.maximum(slot, 0)]  # [B, R, Ws]
-    hist_len = jnp.where(slot[:, None] >= 0, store.lengths[jnp.maximum(slot, 0)], 0)
-    if ctx.finished is not None:  # members that left their rows (or have not started: empty)
-        done_tok, done_len = ctx.finished.sequences(member)  # [B, G, Wf]
-        width = max(sib_tok.shape[2], done_tok.shape[2])
-        live = (row >= 0)[..., None]
-        sib_tok = jnp.where(live, _pad_to(sib_tok, width), _pad_to(done_tok, width))
-        sib_len = jnp.where(row >= 0, sib_len, jnp.where(members >= 0, done_len, 0))
-    width = max(sib_tok.shape[2], store.width)
-    return (jnp.concatenate([_pad_to(sib_tok, width), _pad_to(hist_tok, width)], axis=1),
-            jnp.concatenate([sib_len, hist_len], axis=1))
-
-
-def _pad_to(x, width: int):  # [B, C, W] -> [B, C, width] zero-padded
-    return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2])))
-
-
-def lookup(drafter: HistoryDrafter, ctx: DraftContext):
-    """The continuations of each row's longest matched suffix.
-
-    -> (conts [B, M, k] int32, valid [B, M, k] bool, n [B] int32 matched length, 0 if none):
-    the first M = max_matches matches in (candidate, end position) order; a match of the
-    last n committed tokens ending at position e of a candidate continues with its tokens
-    e+1 .. e+k (valid while inside the candidate's length).
-    """
-    cand, clen = _candidates(drafter, ctx)
-    batch, num_c, width = cand.shape
-    lengths = ctx.lengths
-    hi, lo, k, m = drafter.max_n, drafter.min_n, drafter.k, drafter.max_matches
-    s_idx = lengths[:, None] - hi + jnp.arange(hi)[None, :]
-    suffix = jnp.take_along_axis(ctx.buffer, jnp.maximum(s_idx, 0), axis=1)  # [B, hi]
-    e = jnp.arange(width)[None, None, :]
-    match = jnp.ones((batch, num_c, width), bool)
-    best = jnp.zeros((batch, num_c, width), bool)
-    best_n = jnp.zeros((batch,), jnp.int32)
-    for i in range(hi):  # match of n = i + 1 tokens ending at e
-        shifted = jnp.pad(cand, ((0, 0), (0, 0), (i, 0)))[:, :, :width]  # cand[..., e - i]
-        match = match & (shifted == suffix[:, hi - 1 - i, None, None]) & (e >= i)
-        n = i + 1
-        if n < lo:
-            continue
-        ok = match & (e + 1 < clen[:, :, None]) & (lengths[:, None, None] >= n)
-        found = jnp.any(ok, axis=(1, 2))
-        best = jnp.where(found[:, None, None], ok, best)  # longer n overrides shorter
-        best_n = jnp.where(found, n, best_n)
-    # The first m matches: the j-th sits where the running count of matches reaches j + 1,
-    # i.e. after every position whose count is below j + 1 (one compare-and-count, no sort:
-    # a top_k here was a full sort of rows x candidates x width on CPU).
-    rank = jnp.cumsum(best.reshape(batch, -1), axis=1, dtype=jnp.int32)  # [B, C*W]
-    nth = jnp.arange(1, m + 1, dtype=jnp.int32)
-    where = jnp.sum(rank[:, None, :] < nth[None, :, None], axis=2, dtype=jnp.int32)  # [B, m]
-    hit = nth[None, :] <= rank[:, -1:]
-    where = jnp.where(hit, where, 0)
-    c_idx, e_idx = where // width, where % width
-    steps = e_idx[..., None] + 1 + jnp.arange(k)[None, None, :]  # [B, M, k]
-    seqs = cand[jnp.arange(batch)[:, None], c_idx]  # [B, M, W]
-    conts = jnp.take_along_axis(seqs, jnp.minimum(steps, width - 1), axis=2)
-    limit = jnp.take_along_axis(clen, c_idx, axis=1)  # [B, M]
-    valid = hit[..., None] & (steps < limit[..., None])
-    return conts, valid, best_n
-
-
-def _trie(conts, valid):
-    """Matches' continuations [B, M, k] as trie nodes in a pool indexed (depth-1) * M + m.
-
-    Node (d, m) is the path conts[m, :d]; it is kept once (at the first m with that path).
-    -> (tokens, parents (pool index, -1: the root), depths, scores: fraction of matches
-    through the node, present) each [B, k * M].
-    """
-    batch, m, k = conts.shape
-    total = jnp.maximum(jnp.sum(valid[:, :, 0], axis=1), 1).astype(jnp.float32)  # [B]
-    same = jnp.ones((batch, m, m), bool)
-    first_prev = None
-    toks, pars, deps, scores, present = [], [], [], [], []
-    for d in range(k):
-        same = same & (conts[:, :, None, d] == conts[:, None, :, d]) \
-            & valid[:, :, None, d] & valid[:, None, :, d]
-        first = jnp.argmax(same, axis=2).astype(jnp.int32)  # [B, M] first equal match
-        count = jnp.sum(same, axis=2).astype(jnp.float32)
-        toks.append(conts[:, :, d])
-        pars.append(jnp.full((batch, m), -1, jnp.int32) if d == 0 else (d - 1) * m + first_prev)
-        deps.append(jnp.full((batch, m), d + 1, jnp.int32))
-        scores.append(count / total[:, None])
-        present.append(valid[:, :, d] & (first == jnp.arange(m)[None, :]))
-        first_prev = first
-    cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
-    return cat(toks), cat(pars), cat(deps), cat(scores), cat(present)
-
-
-def _select(tokens, parents, depths, scores, present, budget: int, max_depth: int,
-            extra=None) -> Tree:
-    """The best `budget` present pool nodes as a Tree (pool order is topological and a
-    parent scores at least its child, so ancestors are kept; a depth penalty breaks ties).
-    Slots left over hold absent nodes (token -1). With `extra` ([B, pool] per-node values)
-    -> (Tree, extra of the kept nodes [B, budget], 0 at absent ones)."""
-    batch, size = tokens.shape
-    if size < budget:  # pad the pool with absent nodes
-        more = budget - size
-        pad = lambda x, v: jnp.pad(x, ((0, 0), (0, more)), constant_values=v)  # noqa: E731
-        tokens, parents, depths = pad(tokens, -1), pad(parents, -1), pad(depths, 1)
-        scores, present = pad(scores, 0.0), pad(present, False)
-        extra = None if extra is None else pad(extra, 0)
-        size = budget
-    rank = jnp.where(present, scores - 1e-6 * depths, _NEG)
-    top, keep = jax.lax.top_k(rank, budget)
-    keep = jnp.sort(keep, axis=1)
-    b = jnp.arange(batch)[:, None]
-    kept = present[b, keep]
-    slot_of = jnp.full((batch, size), -1, jnp.int32).at[b, keep].set(
-        jnp.arange(budget, dtype=jnp.int32)[None, :])
-    par = parents[b, keep]
-    par = jnp.where((par >= 0) & kept, slot_of[b, jnp.maximum(par, 0)], -1)
-    tree = Tree(tokens=jnp.where(kept, tokens[b, keep], -1), parents=par,
-                depths=jnp.where(kept, depths[b, keep], 1), max_depth=max_depth)
-    if extra is None:
-        return tree
-    return tree, jnp.where(kept, extra[b, keep], 0)
 
 
 def _check_int(owner: str, name: str, value, low: int) -> None:
@@ -301,7 +68,7 @@ def _check_int(owner: str, name: str, value, low: int) -> None:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class HistoryDrafter(_ModelFree):
+class HistoryDrafter(ModelFreeDrafter):
     """Drafts from the row's group (in flight) and its prompt's stored rollouts; model-free.
 
     Build one per batch with `HistoryDrafter.for_batch`. A row's tree holds the `budget`
@@ -356,6 +123,11 @@ class HistoryDrafter(_ModelFree):
     max_depth = property(lambda self: self.k)
     supports_rejection = False
 
+    def with_k(self, k: int) -> HistoryDrafter:
+        """The same drafter drafting k deep (adaptive draft length; budget kept, >= k)."""
+        _check_int(type(self).__name__, "k", k, 1)
+        return dataclasses.replace(self, k=k, budget=max(self.budget, k))
+
     def check_prompts(self, n: int) -> None:
         if n != self.siblings.shape[0]:
             raise ValueError(f"{type(self).__name__} was built for {self.siblings.shape[0]} "
@@ -373,17 +145,19 @@ class HistoryDrafter(_ModelFree):
         return None
 
     def pool(self, ctx: DraftContext):
-        """The trie of the row's matches (see `_trie`) and the matched suffix length [B]."""
+        """The trie of the row's matches (see `trie`) and the matched suffix length [B]."""
         conts, valid, n = lookup(self, ctx)
-        return _trie(conts, valid), n
+        return trie(conts, valid), n
 
     def propose(self, state, policy, ctx: DraftContext):
         (tokens, parents, depths, scores, present), _ = self.pool(ctx)
-        return _select(tokens, parents, depths, scores, present, self.budget, self.k), None, state
+        return select(tokens, parents, depths, scores, present, self.budget, self.k), None, state
 
 
 def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
-    """The head's argmax chain and its cumulative log-probs: ([B, k] int32, [B, k] float32)."""
+    """The head's chain and its cumulative log-probs under the head: ([B, k] int32, [B, k]
+    float32). Each draft is picked as `Eagle3Drafter` picks a chain's (`draws.pick_draft`):
+    coupled under replay, the Gumbel-max draw with the verifier's noise; else the argmax."""
     head, cache, hidden = head_drafter.head, state.cache, state.last_hidden
     pos = ctx.lengths - 1
     tokens, logps, total = [], [], 0.0
@@ -392,9 +166,9 @@ def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
             out, cache = head.forward(policy.embed(tokens[-1][:, None]), hidden[:, None],
                                       (pos + i - 1)[:, None], cache, fuse=False)
             hidden = out[:, 0].astype(jnp.float32)
-        logits, ids = head.draft_logits(hidden, policy)
+        logits, ids = head.draft_logits(hidden, policy)  # [B, C], [C] | None
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        best = jnp.argmax(logp, axis=-1)
+        best = pick_draft(logits, ctx, i, ids, coupled=head_drafter.coupled)  # [B] candidate
         total = total + jnp.take_along_axis(logp, best[:, None], axis=1)[:, 0]
         tokens.append((best if ids is None else ids[best]).astype(jnp.int32))
         logps.append(total)
@@ -414,7 +188,7 @@ def _ring_write(ring: Observation, obs: Observation) -> Observation:
 
 
 def merge_chain(pool, chain_tokens, chain_scores, chain_present=None):
-    """A history pool (from `_trie`) with a chain appended: a chain node whose path is
+    """A history pool (from `trie`) with a chain appended: a chain node whose path is
     already a present pool node becomes that node (score: the larger of the two).
     chain_tokens, chain_scores: [B, c]; chain_present: [] or [B] bool, False: no chain (its
     nodes absent, the pool unchanged; None: True). -> (the merged pool, same layout,
@@ -436,7 +210,7 @@ def merge_chain(pool, chain_tokens, chain_scores, chain_present=None):
         path_eq = path_eq | at_j
         dup = jnp.any(at_j, axis=1)
         twin = jnp.argmax(at_j, axis=1).astype(jnp.int32)
-        scores = scores.at[jnp.arange(batch), twin].max(jnp.where(dup, chain_scores[:, j], _NEG))
+        scores = scores.at[jnp.arange(batch), twin].max(jnp.where(dup, chain_scores[:, j], NEG))
         source = source.at[jnp.arange(batch), twin].set(
             jnp.where(dup, HISTORY | HEAD, source[jnp.arange(batch), twin]))
         new_tok.append(chain_tokens[:, j])
@@ -518,6 +292,15 @@ class HybridDrafter:
     forwards_per_propose = property(lambda self: self.head.forwards_per_propose)
     forwards_per_observe = property(lambda self: self.head.forwards_per_observe)
 
+    def with_k(self, k: int) -> HybridDrafter:
+        """The same drafter drafting at most k deep (adaptive draft length): the history's
+        depth and the head's chain cut to k, the budget and the ring kept (one state shape
+        for every k)."""
+        _check_int(type(self).__name__, "k", k, 1)
+        return dataclasses.replace(self, history=self.history.with_k(min(k, self.history.k)),
+                                   head=self.head.with_k(min(k, self.head.k)),
+                                   window=self.ring_size)
+
     def check_compatible(self, policy) -> None:
         self.history.check_compatible(policy)
         self.head.check_compatible(policy)
@@ -537,6 +320,14 @@ class HybridDrafter:
                            jnp.zeros_like(none), jnp.zeros((3,), jnp.int32),
                            jnp.zeros((), jnp.int32), pending)
 
+    def state_axes(self, policy) -> HybridState:
+        row, shared = StateAxes(row=0), StateAxes()
+        pending = None
+        if self.gate:  # the ring: [B, ring_size] entries, whatever the cache capacity
+            pending = Observation(fed_tokens=row, next_tokens=row, positions=row,
+                                  captured={layer: row for layer in self.head.capture_layers})
+        return HybridState(self.head.state_axes(policy), row, row, row, shared, shared, pending)
+
     def observe(self, state: HybridState, policy, obs: Observation):
         # Which proposed nodes the policy accepted: entries 1.. of the observation follow the
         # root along the accepted path (the prompt's observation matches no tree: tokens -1).
@@ -553,9 +344,7 @@ class HybridDrafter:
             current = jnp.where(hit, node, -2)
         if self.gate and obs.positions.shape[1] <= self.ring_size:
             # a verify's commits, or a prompt the ring holds whole: the head observes them
-            # later, just before it drafts (a prompt observed at once costs a head forward
-            # per started rollout: the main job's speculative generation took 1.2-1.4x as
-            # long, docs/BENCHMARKS.md)
+            # later, just before it drafts (no head forward per started rollout)
             return dataclasses.replace(state, accepted=accepted,
                                        pending=_ring_write(state.pending, obs))
         # wider than the ring: a long prompt, observed now and whole (its row is fresh, so
@@ -566,7 +355,8 @@ class HybridDrafter:
     def _flush_and_draft(self, state: HybridState, policy, ctx: DraftContext):
         """The head observes its pending entries (in position order), then drafts its chain.
         -> (chain, log-probs, head state, the emptied ring)."""
-        head = self.head.observe(state.head, policy, state.pending.in_position_order())
+        ring = state.pending.in_position_order(limit=state.head.cache.max_len)  # fits the cache
+        head = self.head.observe(state.head, policy, ring)
         chain, logp = _head_chain(self.head, head, policy, ctx)
         return chain, logp, head, state.pending.cleared()
 
@@ -587,7 +377,7 @@ class HybridDrafter:
             use_head = jnp.asarray(True)
             chain, logp = _head_chain(self.head, state.head, policy, ctx)
         merged, source = merge_chain(pool, chain, jnp.exp(logp), chain_present=use_head)
-        tree, source = _select(*merged, self.budget, self.max_depth, extra=source)
+        tree, source = select(*merged, self.budget, self.max_depth, extra=source)
         state = dataclasses.replace(state, tokens=tree.tokens, parents=tree.parents, source=source,
                                     head_drafts=state.head_drafts + use_head.astype(jnp.int32))
         return tree, None, state

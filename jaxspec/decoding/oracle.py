@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding.drafters import _ModelFree
+from jaxspec.decoding.drafters import ModelFreeDrafter
 from jaxspec.decoding.protocols import DraftContext
 from jaxspec.decoding.tree import Tree
 
@@ -26,7 +26,7 @@ __all__ = ["OracleDrafter", "oracle_drafter"]
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class OracleDrafter(_ModelFree):
+class OracleDrafter(ModelFreeDrafter):
     """Chain drafts read from `reference`, the full token sequences (prompt + plain rollout)
     at the engine's buffer positions."""
 

@@ -1,4 +1,5 @@
-"""What the rollout engine asks of a drafter, and what a head drafter asks of a draft head.
+"""What the rollout engine asks of a drafter (and what more a drafter may declare it can
+do), and what a head drafter asks of a draft head.
 
 Both are `typing.Protocol`s: any pytree with these members works, no base class needed.
 Shapes: B batch rows, M observed entries per row, N tree nodes, V the policy's vocabulary,
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxspec.decoding.sampling import SamplingConfig, slot_keys
 from jaxspec.decoding.tree import Tree
+from jaxspec.models import KVCache
 
 
 @jax.tree_util.register_dataclass
@@ -54,11 +56,11 @@ class DraftContext:
     # [B] int32 the prompt (index into `generate`'s prompts) each row holds: with slots
     # (continuous batching) a row's prompt changes when it is refilled; None: arange(B)
     sequences: jax.Array | None = None
-    # [B, D+1, V] float32 under the replay method for a drafter with `uses_verifier_noise =
-    # True` (an optional attribute; None otherwise): the verifier's Gumbel noise for the
+    # [B, D+1, V] float32 under the replay method for a drafter that declares
+    # `CouplesVerifierNoise` with `uses_verifier_noise` True (None otherwise): the verifier's Gumbel noise for the
     # tokens at absolute positions lengths + 0..D (D: the drafter's max_depth). A
     # drafter that picks one token per position may draw it with this noise
-    # (`jaxspec.decoding.drafters._choose`): the policy's token then equals the draft whenever
+    # (`jaxspec.decoding.draws.choose_draft`): the policy's token then equals the draft whenever
     # the two distributions' Gumbel-max draws agree, which a calibrated draft makes far likelier
     # than its argmax does at temperature > 0. Lossless: under replay the emitted tokens are the
     # plain sampler's whatever the draft.
@@ -100,11 +102,15 @@ class Observation:
     positions: jax.Array  # [B, M] int32, < 0 marks padding
     captured: dict[int, jax.Array]  # {layer: [B, M, H]}
 
-    def in_position_order(self) -> Observation:
+    def in_position_order(self, limit: int | None = None) -> Observation:
         """The entries sorted by position per row, padding last (deferred entries kept in a
-        ring are observed this way, in one forward)."""
+        ring are observed this way, in one forward), keeping the first `limit` columns
+        (None: all). Entries hold distinct positions below a cache's capacity, so `limit` =
+        that capacity keeps every real entry and sizes the forward to the cache."""
         order = jnp.argsort(jnp.where(self.positions >= 0, self.positions,
                                       jnp.iinfo(jnp.int32).max), axis=1)
+        if limit is not None:
+            order = order[:, :limit]
         return jax.tree.map(
             lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1),
             self)
@@ -119,22 +125,13 @@ class Drafter(Protocol):
     """Proposes a draft tree per row each step; a pytree, so it passes through `jax.jit`.
 
     The static members size the compiled loop; the engine counts forwards from the declared
-    costs (a drafter never counts anything itself). Optional: `draft_stats(state) -> dict`
-    of the drafter's own counters, returned by `generate` as `Rollouts.draft_stats`.
-
-    Continuous batching (`generate(slots=...)`) starts a new rollout in a finished row. By
-    default the engine resets that row itself: every state leaf whose shape grows with
-    `init_state`'s batch holds one entry per row along that axis, and the row's entries
-    are replaced by those of a fresh one-row state that has observed the new prompt; other
-    leaves are shared (e.g. counters) and taken from that observation. Optional overrides:
-    `refill_state(state, policy, row, obs, max_len) -> state` (row: a traced int32 scalar,
-    obs: the prompt's one-row Observation; under adaptive k = 0 every position is padding,
-    the row starts empty and the prompt is observed later; with the hook the state needs no
-    row axis). A drafter that reads other rollouts finds them
+    costs (a drafter never counts anything itself). What more a drafter can do it declares
+    by implementing the capability protocols below (`HasStateAxes`, `RefillsRows`,
+    `AdaptiveLength`, `CouplesVerifierNoise`, `ReportsStats`, `ChecksPrompts`); the engine
+    checks them once per call, on the host. A drafter that reads other rollouts finds them
     by prompt, not by row: `DraftContext.sequences` says which prompt each row holds and
     `DraftContext.finished` holds the rollouts that left their rows (as `HistoryDrafter`
-    does). A drafter built for one call's prompts may define `check_prompts(n)`, called on
-    the host with the number of prompts before anything compiles (raise to refuse).
+    does).
     """
 
     @property
@@ -166,6 +163,73 @@ class Drafter(Protocol):
 
     def propose(self, state, policy, ctx: DraftContext) -> tuple[Tree, jax.Array | None, Any]:
         """-> (tree [B, N] after each row's root, draft_probs [B, N, V] (ctx.sampled) or None, state)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StateAxes:
+    """Where one leaf of a drafter's state keeps its rows and its cache positions (a pytree
+    leaf: `HasStateAxes.state_axes` returns one per state leaf, in the state's structure)."""
+
+    row: int | None = None  # the axis with one entry per batch row; None: shared by all rows
+    length: int | None = None  # the axis with one entry per cache slot; None: fixed size
+
+
+def kv_cache_axes() -> KVCache:
+    """The axes of a `jaxspec.models.KVCache`: k, v [layers, batch, max_len, kv_heads,
+    head_dim], lengths [batch]."""
+    return KVCache(k=StateAxes(row=1, length=2), v=StateAxes(row=1, length=2),
+                   lengths=StateAxes(row=0))
+
+
+@runtime_checkable
+class HasStateAxes(Protocol):
+    """A drafter whose state rows can be started afresh one at a time (continuous batching)
+    and whose cache-sized leaves can move into a larger cache (`generate(grow_cache=...)`)."""
+
+    def state_axes(self, policy) -> Any:
+        """The `init_state` pytree with a `StateAxes` in place of each leaf (None: no state)."""
+
+
+@runtime_checkable
+class RefillsRows(Protocol):
+    """A drafter that starts a row afresh itself (then it needs no row axes)."""
+
+    def refill_state(self, state, policy, row, obs: Observation, max_len: int) -> Any:
+        """`state` with row `row` (a traced int32 scalar) started on a new prompt whose one-row
+        prefill is `obs` (under adaptive k = 0 every position is padding: the row starts
+        empty and the prompt is observed later)."""
+
+
+@runtime_checkable
+class AdaptiveLength(Protocol):
+    """A drafter whose draft depth can be chosen per iteration (`generate(adaptive=...)`)."""
+
+    def with_k(self, k: int) -> Drafter:
+        """The same drafter drafting at most k deep, keeping a state of the same shapes."""
+
+
+@runtime_checkable
+class CouplesVerifierNoise(Protocol):
+    """A drafter that may read `DraftContext.verifier_noise` (replay)."""
+
+    @property
+    def uses_verifier_noise(self) -> bool: ...  # False: the engine draws no noise for it
+
+
+@runtime_checkable
+class ReportsStats(Protocol):
+    """A drafter with counters of its own, returned as `Rollouts.draft_stats`."""
+
+    def draft_stats(self, state) -> dict:
+        """{name: [] array} from the final state."""
+
+
+@runtime_checkable
+class ChecksPrompts(Protocol):
+    """A drafter built for one call's prompts."""
+
+    def check_prompts(self, n: int) -> None:
+        """Host-side, before anything compiles: raise ValueError unless built for n prompts."""
 
 
 @runtime_checkable

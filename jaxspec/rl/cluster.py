@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec import parallel
-from jaxspec.decoding.adaptive import measure_costs
+from jaxspec.decoding.costs import measure_costs
 from jaxspec.decoding.engine import generate
 from jaxspec.rl.steps import score_rollouts
 

@@ -14,13 +14,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import AdaptiveK, SamplingConfig, TreeSpec, generate, measure_costs
-from jaxspec.decoding.adaptive import AdaptState, choose_k, conditional_acceptance, expected_tokens
+from jaxspec.decoding import (
+    AdaptiveK,
+    SamplingConfig,
+    TreeSpec,
+    generate,
+    measure_costs,
+)
+from jaxspec.decoding.adaptive import (
+    AdaptState,
+    choose_k,
+    conditional_acceptance,
+    expected_tokens,
+)
 from jaxspec.decoding.arguments import pad_prompts
 from jaxspec.decoding.drafters import Eagle3Drafter, NGramDrafter
-from jaxspec.decoding.engine import _generate
 from jaxspec.decoding.oracle import oracle_drafter
-from jaxspec.decoding.protocols import Observation
+from jaxspec.decoding.protocols import Observation, StateAxes
 from jaxspec.decoding.tree import Tree
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
@@ -78,8 +88,8 @@ def test_adaptive_equals_plain_token_for_token(setup, name, slots):
 def test_every_forced_k_equals_plain(setup, force):
     """Each compiled branch alone (k = 0 defers EAGLE-3's observations for the whole call,
     more than the window holds)."""
-    out = _generate(setup["policy"], setup["prompts"], drafter=setup["drafters"]["eagle3"],
-                    adaptive=SWITCHING, force_k=force, **setup["common"])
+    out = generate(setup["policy"], setup["prompts"], drafter=setup["drafters"]["eagle3"],
+                   adaptive=dataclasses.replace(SWITCHING, force=force), **setup["common"])
     _assert_plain(out, setup["plain"])
     k_iters = np.asarray(out.stats.k_iterations)
     assert k_iters[force] == int(out.stats.target_forwards) and k_iters.sum() == k_iters[force]
@@ -315,6 +325,11 @@ class _Recorder:
     def check_compatible(self, policy):
         return None
 
+    def state_axes(self, policy):
+        per_position, per_row, shared = StateAxes(row=0, length=1), StateAxes(row=0), StateAxes()
+        return dict(seen=per_position, last=per_row, fed=per_position, next=per_position,
+                    ok=shared, drafts=shared)
+
     def init_state(self, policy, batch, max_len):
         return dict(seen=jnp.zeros((batch, max_len), bool), last=jnp.full((batch,), -1, jnp.int32),
                     fed=jnp.zeros((batch, max_len), jnp.int32), next=jnp.zeros((batch, max_len), jnp.int32),
@@ -356,6 +371,9 @@ class _HookedRecorder(_Recorder):
 
     def init_state(self, policy, batch, max_len):
         return dict(super().init_state(policy, batch, max_len), pairs=jnp.zeros((batch, batch)))
+
+    def state_axes(self, policy):  # (for cache growth; the refill goes through the hook)
+        return dict(super().state_axes(policy), pairs=StateAxes())
 
     def refill_state(self, state, policy, row, obs, max_len):
         fresh = super().init_state(policy, 1, max_len)
@@ -472,9 +490,13 @@ def test_bad_adaptive_fails_before_compiling(setup):
         generate(policy, prompts, drafter=eagle, adaptive=[0, 1], **common)
     with pytest.raises(ValueError, match="needs a chain drafter"):
         generate(policy, prompts, adaptive=SWITCHING, **common)
+    # a tree drafts k deep with its budget capped at what depth k expands (top_k at depth 1)
     tree = dataclasses.replace(eagle, tree=TreeSpec(top_k=2, depth=2, budget=3))
-    with pytest.raises(ValueError, match="needs chain drafts"):
-        generate(policy, prompts, drafter=tree, adaptive=SWITCHING, **common)
+    assert tree.with_k(1).tree == TreeSpec(top_k=2, depth=1, budget=2)
+    with pytest.raises(ValueError, match="AdaptiveK.force must be -1"):
+        AdaptiveK(jnp.ones(4), force=4)
+    with pytest.raises(ValueError, match="max_iterations must be an int >= 0"):
+        generate(policy, prompts, max_iterations=-1, **common)
     with pytest.raises(ValueError, match="depths 1..3; k=5"):
         generate(policy, prompts, drafter=setup["drafters"]["oracle"],
                  adaptive=AdaptiveK(jnp.ones(3), ks=(0, 1, 5)), **common)

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import AdaptiveK, SamplingConfig, TreeSpec, generate
-from jaxspec.decoding import engine
+from jaxspec.decoding import AdaptiveK, SamplingConfig, TreeSpec, driver, generate
 from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, NGramDrafter
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
@@ -56,13 +55,13 @@ def _drafters(s):
 
 def _counting_grows(monkeypatch):
     calls = []
-    original = engine._grow_state
+    original = driver.grow_state
 
     def counted(state, *a, capacity, **kw):
         calls.append(capacity)
         return original(state, *a, capacity=capacity, **kw)
 
-    monkeypatch.setattr(engine, "_grow_state", counted)
+    monkeypatch.setattr(driver, "grow_state", counted)
     return calls
 
 
@@ -90,10 +89,10 @@ def test_two_growths_and_the_capacities(setup, monkeypatch):
     length; a call whose rows all stop inside the first capacity never grows."""
     policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
     width = max(len(p) for p in prompts)
-    assert engine._capacity_tiers(policy, NGramDrafter(k=3), 5, width, 3, 7 + 300 + 4, True) \
+    assert driver.capacity_tiers(policy, NGramDrafter(k=3), width, 3, 7 + 300 + 4, True) \
         == [64, 128, 7 + 300 + 4]
-    assert engine._capacity_tiers(policy, NGramDrafter(k=3), 5, width, 3, 100, True) == [100]
-    assert engine._capacity_tiers(policy, NGramDrafter(k=3), 5, width, 3, 600, False) == [600]
+    assert driver.capacity_tiers(policy, NGramDrafter(k=3), width, 3, 100, True) == [100]
+    assert driver.capacity_tiers(policy, NGramDrafter(k=3), width, 3, 600, False) == [600]
     long = dict(common, max_new_tokens=300, stop_tokens=())  # every row runs to the budget
     full = generate(policy, prompts, grow_cache=False, **long)
     grows = _counting_grows(monkeypatch)
@@ -112,16 +111,15 @@ def test_growth_that_drops_the_drafter_state_is_caught(setup, monkeypatch):
     drafter = Eagle3Drafter(setup["head"], k=3)
     policy, prompts, common = setup["policy"], setup["prompts"], setup["common"]
     full = generate(policy, prompts, drafter=drafter, grow_cache=False, **common)
-    original = engine._grow_state.__wrapped__
+    original = driver.grow_state.__wrapped__
 
-    @partial(jax.jit, static_argnames=("capacity", "pad_id"))
-    def forgetful(state, policy, drafter, *, capacity, pad_id):
-        grown = original(state, policy, drafter, capacity=capacity, pad_id=pad_id)
+    @partial(jax.jit, static_argnames=("capacity", "pad_id", "axes"))
+    def forgetful(state, policy, drafter, *, capacity, pad_id, axes):
+        grown = original(state, policy, drafter, capacity=capacity, pad_id=pad_id, axes=axes)
         batch = state.buffer.shape[0]
         return dataclasses.replace(grown, draft_state=drafter.init_state(policy, batch, capacity))
 
-    monkeypatch.setattr(engine, "_grow_state", lambda state, policy, drafter, *, capacity, pad_id:
-                        forgetful(state, policy, drafter, capacity=capacity, pad_id=pad_id))
+    monkeypatch.setattr(driver, "grow_state", forgetful)
     broken = generate(policy, prompts, drafter=drafter, grow_cache=True, **common)
     np.testing.assert_array_equal(np.asarray(broken.tokens), np.asarray(full.tokens))
     assert not np.array_equal(np.asarray(broken.stats.accepted_at), np.asarray(full.stats.accepted_at))

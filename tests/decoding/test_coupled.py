@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jaxspec.decoding import SamplingConfig, generate
-from jaxspec.decoding.drafters import DraftModelDrafter, _choose
+from jaxspec.decoding.drafters import DraftModelDrafter
+from jaxspec.decoding.draws import choose_draft as _choose
 from jaxspec.decoding.protocols import DraftContext
 from jaxspec.decoding.sampling import sample
 from jaxspec.decoding.verify import replay_noise
@@ -136,3 +137,41 @@ def test_only_coupled_chains_take_the_verifier_noise(policy):
     assert not Eagle3Drafter(head, tree=TreeSpec(top_k=2, depth=2, budget=3)).uses_verifier_noise
     assert DraftModelDrafter(policy, k=2).uses_verifier_noise
     assert not getattr(NGramDrafter(k=2), "uses_verifier_noise", False)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_the_hybrid_head_draws_as_its_chain_drafter_does(policy, temperature):
+    """A hybrid with no history (no group members, not even the row itself; no store) drafts
+    the head's chain
+    alone: its acceptance per depth equals the same head's `Eagle3Drafter` chain (a separate
+    implementation), coupled and argmax alike. At temperature 1 the coupled draws are accepted
+    far more often than the argmax (near-uniform random p and q: the shared noise decides
+    both); at temperature 0 there is no noise and the two are the same. All equal plain."""
+    from jaxspec.decoding import (
+        Eagle3Drafter,
+        HistoryDrafter,
+        HistoryStore,
+        HybridDrafter,
+    )
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    common = dict(sampling=SamplingConfig(temperature=temperature), max_new_tokens=16,
+                  key=jax.random.key(5))
+    plain = generate(policy, prompts, **common)
+    head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
+    history = HistoryDrafter(HistoryStore.empty(1, 1, 1), siblings=jnp.full((3, 1), -1, jnp.int32),
+                             slots=jnp.full((3,), -1, jnp.int32), k=2, budget=2)
+    accepted = {}
+    for coupled in (True, False):
+        chain = Eagle3Drafter(head, k=2, coupled=coupled)
+        for name, drafter in (("chain", chain),
+                              ("hybrid", HybridDrafter(history, chain, budget=2, gate=False))):
+            out = generate(policy, prompts, drafter=drafter, **common)
+            np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+            accepted[name, coupled] = np.asarray(out.stats.accepted_at)
+        np.testing.assert_array_equal(accepted["hybrid", coupled], accepted["chain", coupled])
+    if temperature == 0.0:
+        np.testing.assert_array_equal(accepted["hybrid", True], accepted["hybrid", False])
+    else:
+        assert accepted["hybrid", True][0] >= 5 * max(accepted["hybrid", False][0], 1), accepted

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from jaxspec.decoding import SamplingConfig, process_logits
-from jaxspec.decoding.drafters import DraftContext, DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
+from jaxspec.decoding.drafters import (
+    DraftContext,
+    DraftModelDrafter,
+    Eagle3Drafter,
+    MTPDrafter,
+    NGramDrafter,
+    TreeSpec,
+)
 from jaxspec.decoding.engine import generate
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
@@ -152,7 +159,7 @@ def test_bad_inputs_fail_before_compiling(policy):
 def test_draft_choice_over_a_reduced_vocabulary_matches_the_full_vocabulary():
     """Drafting over the draft vocabulary and mapping winners through d2t equals drafting
     over a full-vocabulary array with -inf outside it (the argmax, and the q returned)."""
-    from jaxspec.decoding.drafters import _choose
+    from jaxspec.decoding.draws import choose_draft as _choose
 
     ids = jnp.array([3, 7, 8, 20, 31], jnp.int32)
     logits = jax.random.normal(jax.random.key(5), (4, 5)) * 2
@@ -177,7 +184,7 @@ def test_layer_copies_are_made_once_per_params_and_never_stale(policy, monkeypat
     that policy's scanned decode (no copies at all): a copy keyed by shapes alone would
     decode B's call with A's weights. A changed config over the same params reuses the
     copies and keeps its own config."""
-    from jaxspec.decoding import engine
+    from jaxspec.decoding import unstack as engine
 
     assert policy.decodes_unrolled(0, 0)  # CPU, layer_loop auto: the path under test
     other = Policy.init(policy.config, jax.random.key(7))
@@ -207,7 +214,7 @@ def test_layer_copies_go_with_their_params():
     copies (a long-lived process never holds a dead policy's layers)."""
     import gc
 
-    from jaxspec.decoding import engine
+    from jaxspec.decoding import unstack as engine
 
     p = Policy.init(ModelConfig.tiny("qwen3", num_layers=2), jax.random.key(3))
     engine.decoding_policy(p)

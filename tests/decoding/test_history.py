@@ -34,13 +34,11 @@ from jaxspec.decoding.history import (
     HybridDrafter,
     HEAD,
     HISTORY,
-    _select,
-    _trie,
-    lookup,
     merge_chain,
-    prompt_key,
-    sibling_table,
 )
+from jaxspec.decoding.history_index import lookup, prompt_key, sibling_table
+from jaxspec.decoding.history_index import select as _select
+from jaxspec.decoding.history_index import trie as _trie
 from jaxspec.decoding.protocols import DraftContext, Observation
 from jaxspec.decoding.sampling import gumbel_noise
 from jaxspec.decoding.verify import _verify_rejection

@@ -21,15 +21,9 @@ from test_history import _reference_tree, _tree_paths
 
 from jaxspec.decoding import SamplingConfig, generate
 from jaxspec.decoding.drafters import Eagle3Drafter
-from jaxspec.decoding.engine import _capacity_tiers
-from jaxspec.decoding.history import (
-    HistoryDrafter,
-    HistoryStore,
-    HybridDrafter,
-    lookup,
-    prompt_key,
-    sibling_table,
-)
+from jaxspec.decoding.driver import capacity_tiers
+from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter
+from jaxspec.decoding.history_index import lookup, prompt_key, sibling_table
 from jaxspec.decoding.protocols import DraftContext, Finished
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
@@ -268,7 +262,7 @@ def test_drafts_survive_a_cache_growth(policy):
     plain = generate(policy, PROMPTS, **kw)
     drafter = HistoryDrafter.for_batch(GROUPS, k=4, budget=6)
     # the case grows: a 64-slot cache first, then prompt width 4 + 140
-    assert _capacity_tiers(policy, drafter, 1, 4, 6, 4 + 140, True) == [64, 144]
+    assert capacity_tiers(policy, drafter, 4, 6, 4 + 140, True) == [64, 144]
     grown, full = (generate(policy, PROMPTS, drafter=drafter, slots=1, order=ORDER,
                             grow_cache=grow, **kw) for grow in (True, False))
     for out in (grown, full):
