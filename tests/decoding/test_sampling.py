@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numpy_reference import ALPHA, law_test, processed_probs
+from jaxspec.testing.laws import ALPHA, law_test, processed_probs
 
 from jaxspec.decoding import SamplingConfig, process_logits, sample
 

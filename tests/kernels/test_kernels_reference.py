@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kernel_cases import ARG_ORDER, make_inputs, numpy_reference, rel_err
+from jaxspec.testing.tree_attention import ARG_ORDER, make_inputs, numpy_reference, rel_err
 
 from jaxspec.kernels import tree_attention_reference
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import jax
 import pytest
-from parallel_cases import rescaled
+from jaxspec.testing.meshes import rescaled
 
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head

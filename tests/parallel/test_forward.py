@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
-from parallel_cases import MESHES
+from jaxspec.testing.meshes import MESHES
 
 from jaxspec import parallel
 from jaxspec.decoding.tree import Tree

@@ -8,7 +8,7 @@ propagates the batch sharding from the ids to the token buffer and the KV cache.
 import jax
 import numpy as np
 import pytest
-from parallel_cases import MESHES
+from jaxspec.testing.meshes import MESHES
 
 from jaxspec import parallel
 from jaxspec.decoding.drafters import Eagle3Drafter, NGramDrafter

@@ -9,7 +9,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from test_trainer import SHORT, rollout_logprobs, warmed_base
+from jaxspec.testing.rl import SHORT, rollout_logprobs, warmed_base
 
 from jaxspec.config import load_config
 from jaxspec.rl.trainer import GRPOTrainer

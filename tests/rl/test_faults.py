@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cheap_compiles import subprocess_env
-from script_loader import load_script
-from test_resume import assert_same_tree, rows
-from test_trainer import SHORT, warmed_base
+from jaxspec.testing.compile import subprocess_env
+from jaxspec.testing.scripts import load_script
+from jaxspec.testing.rl import SHORT, assert_same_tree, rows, warmed_base
 
 import jaxspec.rl.trainer as trainer_module
 from jaxspec.checkpoint import CheckpointManager

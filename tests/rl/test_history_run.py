@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from test_resume import Killed, assert_same_tree
+from jaxspec.testing.rl import Killed, assert_same_tree
 
 from jaxspec.config import ConfigError, load_config
 from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter

@@ -9,8 +9,8 @@ import jax
 import matplotlib.image
 import numpy as np
 import pytest
-from script_loader import load_script
-from test_trainer import SHORT, warmed_base  # the shortened tiny.yaml every test in tests/rl runs
+from jaxspec.testing.scripts import load_script
+from jaxspec.testing.rl import SHORT, warmed_base  # the shortened tiny.yaml every test in tests/rl runs
 
 from jaxspec.config import load_config
 from jaxspec.decoding.drafters import Eagle3Drafter

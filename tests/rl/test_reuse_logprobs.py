@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from test_trainer import make_config, warmed_base
+from jaxspec.testing.rl import make_config, warmed_base
 
 from jaxspec.config import ConfigError
 from jaxspec.rl.grpo import group_advantages
