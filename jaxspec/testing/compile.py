@@ -29,5 +29,12 @@ def cheap_compiles() -> bool:
 
 def subprocess_env(env: dict) -> dict:
     """`env` (a subprocess's environment) plus what makes the subprocess compile as this
-    process compiles now."""
-    return {**env, _ENV: "true" if cheap_compiles() else "false"}
+    process compiles now, and share this process's persistent compilation cache (if it has
+    one), so that a program the suite compiled is a cache read there."""
+    out = {**env, _ENV: "true" if cheap_compiles() else "false"}
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if cache_dir:
+        out.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return out

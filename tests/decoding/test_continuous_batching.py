@@ -155,9 +155,8 @@ def test_refilled_rollouts_follow_the_policy_joint_law():
     the policy. A rollout keyed by its slot instead of its id would repeat the slot's earlier
     rollouts and fail. Level 1e-5: the false-failure probability of this test (on top of
     the 1e-4 of the suite's other law tests, jaxspec.testing.laws.ALPHA)."""
-    from jaxspec.testing.laws import law_test, processed_probs
-
     from jaxspec.models.transformer import random_policy
+    from jaxspec.testing.laws import law_test, processed_probs
 
     vocab, n, prompt = 6, 4096, [1, 2, 1]
     policy = random_policy(ModelConfig.tiny("qwen3", vocab_size=vocab, num_layers=1,

@@ -30,8 +30,8 @@ import pytest
 
 from jaxspec.decoding import SamplingConfig, Tree, process_logits, sample, verify
 from jaxspec.decoding.sampling import gumbel_noise
-from jaxspec.testing.laws import ALPHA, law_test, top_p_margin
 from jaxspec.decoding.verify import _rejection_step, _verify_rejection
+from jaxspec.testing.laws import ALPHA, law_test, top_p_margin
 from jaxspec.testing.toy_law import (
     DRAFT,
     DRAFT_TABLE,

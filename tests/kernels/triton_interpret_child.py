@@ -14,9 +14,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from jaxspec.testing.tree_attention import ARG_ORDER, FLOAT_ARGS, make_inputs, numpy_reference, rel_err  # noqa: E402
 
 from jaxspec.kernels.triton_kernel import launch_config, tree_attention_kernel  # noqa: E402
+from jaxspec.testing.tree_attention import ARG_ORDER, FLOAT_ARGS, make_inputs, numpy_reference, rel_err  # noqa: E402
 
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUMPY = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}

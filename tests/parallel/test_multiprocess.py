@@ -35,11 +35,7 @@ def child_env() -> dict:
            if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR", "JAXSPEC_"))}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    cache_dir = jax.config.jax_compilation_cache_dir  # reuse the suite's compilation cache
-    if cache_dir:
-        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return subprocess_env(env)  # compiling as this process does
+    return subprocess_env(env)  # compiling as this process does, with the suite's cache
 
 
 def launch(workdir: pathlib.Path, num_processes: int = 2) -> list[subprocess.Popen]:

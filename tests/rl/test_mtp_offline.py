@@ -6,7 +6,6 @@ import re
 
 import jax
 import numpy as np
-from jaxspec.testing.scripts import load_script
 
 from jaxspec.config import load_config
 from jaxspec.decoding.drafters import MTPDrafter
@@ -18,6 +17,7 @@ from jaxspec.rl.plan import prepare_run
 from jaxspec.rl.rollouts import encode_prompts
 from jaxspec.rl.tasks import make_task
 from jaxspec.testing import rl
+from jaxspec.testing.scripts import load_script
 
 TINY = str(rl.TINY)
 

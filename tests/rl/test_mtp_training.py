@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jaxspec.testing.rl import make_config, warmed_base
 
 from jaxspec.config import ConfigError
 from jaxspec.models import ModelConfig
@@ -17,7 +16,9 @@ from jaxspec.rl.chunked import lm_head
 from jaxspec.rl.draft import TargetHead, mtp_hidden, mtp_loss
 from jaxspec.rl.plan import prepare_run
 from jaxspec.rl.trainer import GRPOTrainer
+from jaxspec.testing.rl import make_config, warmed_base
 from jaxspec.testing.torch_mtp import TorchMTP, random_head, torch_layout
+
 
 def _batch(policy, b=3, t=10, seed=0):
     """Random packed rows: right-padded (positions -1), a prompt then response tokens."""
