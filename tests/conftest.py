@@ -7,9 +7,10 @@ import pathlib
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAXSPEC_TEST_PLATFORMS", "cpu"))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import cheap_compiles  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from jaxspec.testing.compile import use_cheap_compiles  # noqa: E402
 
 # One cache shared by the pytest-xdist workers (`-n 2`) and the subprocesses tests launch (they
 # inherit the environment): a program one worker compiled is a cache read for the other. JAX
@@ -24,14 +25,12 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Compile time dominates the suite (the generation loop alone took 10-25 s to compile on
-# 2 cores with the defaults), so test programs compile cheaply (cheap_compiles). Modules
-# that compile as users do: those asserting bitwise equalities of the production numerics,
-# and test_joint_law, whose 2^20-rollout chi-square runs outweigh its compiles (31 s of CPU
-# with full optimisation, 42 s cheap). Subprocesses that tests compare against compile as
-# the test does (cheap_compiles.subprocess_env).
+# Compile time dominates the suite, so test programs compile cheaply (jaxspec.testing.compile:
+# JAX's public jax_disable_most_optimizations). Modules that compile as users do: those
+# asserting bitwise equalities of the production numerics, and test_joint_law, whose
+# 2^20-rollout chi-square runs outweigh its compiles. Subprocesses that tests compare against
+# compile as the test does (jaxspec.testing.compile.subprocess_env).
 _FULL_OPTIMISATION = ("test_batch_invariant", "test_reuse_logprobs", "test_joint_law")
-cheap_compiles.install()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,7 +42,7 @@ def _release_executables(request):
     (SIGSEGV writing the compilation cache, SIGABRT compiling). The persistent cache makes
     a later module's recompile of a shared function a cache read."""
     full = any(name in request.module.__name__ for name in _FULL_OPTIMISATION)
-    cheap_compiles.use(not full)
+    use_cheap_compiles(not full)
     yield
     jax.clear_caches()
     gc.collect()
@@ -56,7 +55,16 @@ def _has_gpu() -> bool:
         return False
 
 
+# The files that take longest, longest first (measured with `--durations`; README). With
+# `-n 2 --dist loadfile --no-loadscope-reorder` xdist hands files to the workers in
+# collection order, so a long file never starts last while the other worker runs out of work.
+LONGEST_FIRST = (
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run with JAXSPEC_TEST_PLATFORMS=cuda on one")

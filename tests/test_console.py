@@ -2,14 +2,13 @@
 carriage-return frames, every line at most 120 columns."""
 
 import io
-import pathlib
 import sys
 
 from jaxspec.metrics import WIDTH, Console, fit_lines, format_step_line
+from jaxspec.testing import ROOT
+from jaxspec.testing.scripts import load_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import train_grpo  # noqa: E402
+train_grpo = load_script("train_grpo")
 
 STAGES = ("data", "setup", "generation", "reward", "logprob", "training", "other")
 

@@ -423,9 +423,8 @@ def test_rejection_with_switching_k_follows_the_joint_law():
     (y0, y1, y2) counts must follow the policy's joint law, computed in float64 from full
     forwards. Level 1e-5 (this test's false-failure probability, on top of the suite's
     other law tests). Power: the same counts against the law at temperature 0.8 are rejected."""
-    from numpy_reference import law_test, processed_probs
-
     from jaxspec.models.transformer import random_policy
+    from jaxspec.testing.laws import law_test, processed_probs
 
     vocab, n, prompt = 6, 8192, [1, 2, 1]
     policy = random_policy(ModelConfig.tiny("qwen3", vocab_size=vocab, num_layers=1,

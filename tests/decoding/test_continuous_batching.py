@@ -154,10 +154,9 @@ def test_refilled_rollouts_follow_the_policy_joint_law():
     P(y0, y1) = p(y0 | prompt) p(y1 | prompt, y0), computed in float64 from full forwards of
     the policy. A rollout keyed by its slot instead of its id would repeat the slot's earlier
     rollouts and fail. Level 1e-5: the false-failure probability of this test (on top of
-    the 1e-4 of the suite's other law tests, numpy_reference.ALPHA)."""
-    from numpy_reference import law_test, processed_probs
-
+    the 1e-4 of the suite's other law tests, jaxspec.testing.laws.ALPHA)."""
     from jaxspec.models.transformer import random_policy
+    from jaxspec.testing.laws import law_test, processed_probs
 
     vocab, n, prompt = 6, 4096, [1, 2, 1]
     policy = random_policy(ModelConfig.tiny("qwen3", vocab_size=vocab, num_layers=1,

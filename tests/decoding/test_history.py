@@ -2,9 +2,10 @@
 the draft trees against a Python trie, exactness in the engine, and the joint law.
 
 Joint law: verify (rejection with point-mass drafts, and replay) on the trees these drafters
-build, against test_joint_law's toy target (vocab 4, 3 drafted levels); 2^17 rollouts per
-case, each a chi-square test at level 1e-5, so these two cases fail by chance with
-probability at most 2e-5 (on top of the 1e-4 of tests/decoding's other law tests).
+build, against the toy target of test_joint_law (jaxspec.testing.toy_law: vocab 4, 3 drafted
+levels); 2^17 rollouts per case, each a chi-square test at level 1e-5, so these two cases
+fail by chance with probability at most 2e-5 (on top of the 1e-4 of tests/decoding's other
+law tests).
 """
 
 from __future__ import annotations
@@ -16,15 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numpy_reference import law_test
-from test_joint_law import (
-    OFFSETS,
-    TARGET,
-    TARGET_TABLE,
-    VOCAB,
-    _faulty_resample_from_p,
-    exact_joint_law,
-)
 
 from jaxspec.decoding import SamplingConfig, generate, process_logits, verify
 from jaxspec.decoding.drafters import Eagle3Drafter
@@ -44,6 +36,16 @@ from jaxspec.decoding.sampling import gumbel_noise
 from jaxspec.decoding.verify import _verify_rejection
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.testing.history_trees import reference_tree, tree_paths
+from jaxspec.testing.laws import law_test
+from jaxspec.testing.toy_law import (
+    OFFSETS,
+    TARGET,
+    TARGET_TABLE,
+    VOCAB,
+    exact_joint_law,
+    faulty_resample_from_p,
+)
 
 LAW_ALPHA = 1e-5
 
@@ -74,34 +76,6 @@ def _reference_lookup(buffer, lengths, siblings, store_tokens, store_lengths, sl
                 break
         out.append((n_b, matches))
     return out
-
-
-def _reference_tree(matches, budget):
-    """The budget trie paths with the most matches through them (ties: shallower first, then
-    the earliest match), as a set of token tuples."""
-    nodes = {}  # path -> (count, depth, first match index)
-    for i, cont in enumerate(matches):
-        for d in range(1, len(cont) + 1):
-            path = cont[:d]
-            count, _, first = nodes.get(path, (0, d, i))
-            nodes[path] = (count + 1, d, first)
-    total = max(len(matches), 1)
-    ranked = sorted(nodes, key=lambda p: (-nodes[p][0] / total + 1e-6 * nodes[p][1],
-                                          (nodes[p][1] - 1) * 1000 + nodes[p][2]))
-    return set(ranked[:budget])
-
-
-def _tree_paths(tree, row):
-    tokens, parents = np.asarray(tree.tokens[row]), np.asarray(tree.parents[row])
-    paths = []
-    for i, t in enumerate(tokens):
-        if t < 0:
-            paths.append(None)
-            continue
-        p = parents[i]
-        assert p < i, "parents come before children"
-        paths.append((paths[p] if p >= 0 else ()) + (int(t),))
-    return {p for p in paths if p is not None}
 
 
 def _random_case(seed, batch=12, group=4, vocab=3, width=24, slots=3, ring=2, store_width=20):
@@ -151,7 +125,7 @@ def test_lookup_and_tree_match_brute_force(seed):
         got = [tuple(int(t) for t in conts[b, i][valid[b, i]]) for i in range(6)
                if valid[b, i, 0]]
         assert got == matches, b
-        assert _tree_paths(tree, b) == _reference_tree(matches, 5), b
+        assert tree_paths(tree, b) == reference_tree(matches, 5), b
     assert np.all(np.asarray(tree.depths)[np.asarray(tree.tokens) >= 0] <= 3)
 
 
@@ -273,7 +247,7 @@ def test_hybrid_gate_drafts_the_head_only_where_history_falls_short(policy, seed
     assert int(stats["head_drafted"]) == 0
     assert np.all(np.asarray(source)[np.asarray(tree.tokens) >= 0] == HISTORY)
     for b, (_, matches) in enumerate(ref):
-        assert _tree_paths(tree, b) == _reference_tree(matches, budget), b
+        assert tree_paths(tree, b) == reference_tree(matches, budget), b
     live = covered.copy()
     live[np.flatnonzero(~covered)[0]] = True  # one uncovered live row: the head drafts
     tree, source, stats = propose(gated, jnp.asarray(live))
@@ -282,7 +256,7 @@ def test_hybrid_gate_drafts_the_head_only_where_history_falls_short(policy, seed
     tree_always, _, stats = propose(always, jnp.asarray(covered))
     assert int(stats["head_drafted"]) == 1
     for b in range(len(lengths)):
-        assert _tree_paths(tree, b) == _tree_paths(tree_always, b), b
+        assert tree_paths(tree, b) == tree_paths(tree_always, b), b
 
 
 def test_merge_chain_dedups_and_tracks_sources():
@@ -351,7 +325,7 @@ def _law_codes(tree, table, key, *, method, n):
     logp = process_logits(table, cfg)
     if method == "resample_from_p":  # a negative control: p instead of the residual
         verdict = _verify_rejection(key, process_logits(logits, cfg), t, positions, rows, None,
-                                    step=_faulty_resample_from_p)
+                                    step=faulty_resample_from_p)
     else:
         verdict = verify(key, logits, t, cfg, method=method, positions=positions, rows=rows)
     noise = gumbel_noise(key, rows, positions[:, None] + jnp.arange(4), VOCAB)

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_history import _reference_tree, _tree_paths
 
 from jaxspec.decoding import SamplingConfig, generate
 from jaxspec.decoding.drafters import Eagle3Drafter
@@ -28,6 +27,7 @@ from jaxspec.decoding.protocols import DraftContext, Finished
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.rl.rollouts import leaders_first
+from jaxspec.testing.history_trees import reference_tree, tree_paths
 
 # --------------------------------------------------------------------------- the index
 
@@ -137,7 +137,7 @@ def test_lookup_reads_rows_and_finished_members(seed):
         got = [tuple(int(t) for t in conts[b, i][valid[b, i]]) for i in range(SETTINGS["max_matches"])
                if valid[b, i, 0]]
         assert got == matches, b
-        assert _tree_paths(tree, b) == _reference_tree(matches, SETTINGS["budget"]), b
+        assert tree_paths(tree, b) == reference_tree(matches, SETTINGS["budget"]), b
         for src in {src for src, _ in found}:
             sources[src] += 1
     # non-trivial: several rows take matches from other rows and from finished members,

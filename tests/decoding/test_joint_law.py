@@ -9,7 +9,7 @@ P(y_0..y_D) = prod_d p(y_d | y_<d) exactly; the emitted prefix alone has a rando
 it is its completion whose law is fixed.
 
 Statistics: 2^20 rollouts per lossless case. Each is a chi-square test at level ALPHA
-(numpy_reference: 1e-4 over the suite's chi-square tests, Bonferroni), so the false-failure
+(jaxspec.testing.laws: 1e-4 over the suite's chi-square tests, Bonferroni), so the false-failure
 probability of the whole of tests/decoding is at most 1e-4. Tokens outside the target's
 support fail outright (probability 0 under a correct rule). Negative controls (published
 bugs, reproduced here) must be rejected by the same test on 2^18 rollouts; their statistics
@@ -27,19 +27,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numpy_reference import ALPHA, law_test, processed_probs, top_p_margin
 
 from jaxspec.decoding import SamplingConfig, Tree, process_logits, sample, verify
 from jaxspec.decoding.sampling import gumbel_noise
 from jaxspec.decoding.verify import _rejection_step, _verify_rejection
+from jaxspec.testing.laws import ALPHA, law_test, top_p_margin
+from jaxspec.testing.toy_law import (
+    DRAFT,
+    DRAFT_TABLE,
+    MAX_DEPTH,
+    OFFSETS,
+    TARGET,
+    TARGET_TABLE,
+    VOCAB,
+    exact_joint_law,
+    faulty_resample_from_p,
+)
 
-VOCAB = 4
 CHUNK = 1 << 18
 NUM_CHUNKS = 4  # 2^20 rollouts per lossless case
 NEGATIVE_SHARE = 4  # negative controls run on the first CHUNK / 4 rows of each chunk: 2^18
-
-TARGET = dict(temperature=1.0, top_k=3, top_p=0.9)  # both filters bite: 72 of 256 sequences
-DRAFT = dict(temperature=0.6, top_k=3, top_p=1.0)
 
 TOPOLOGIES = {
     "chain": (-1, 0, 1),
@@ -55,38 +62,9 @@ def _depths(parents):
     return depths
 
 
-MAX_DEPTH = 3
-OFFSETS = np.cumsum([0] + [VOCAB**d for d in range(MAX_DEPTH + 1)])  # table row of (depth, prefix)
-
-
-def _tables():
-    rng = np.random.default_rng(1)
-    target = rng.normal(size=(OFFSETS[-1], VOCAB))
-    draft = target + rng.normal(size=target.shape)
-    return target.astype(np.float32), draft.astype(np.float32)
-
-
-TARGET_TABLE, DRAFT_TABLE = _tables()
-
-
 def test_tables_keep_away_from_top_p_boundaries():
     # A cumulative mass within 1e-4 of top_p could make float32 and float64 keep different sets.
     assert top_p_margin(TARGET_TABLE, **TARGET) > 1e-4
-
-
-def exact_joint_law(cfg: dict, depth: int):
-    """P(y_0..y_depth) for every sequence, as a flat array indexed by the base-VOCAB code."""
-    probs = processed_probs(TARGET_TABLE, **cfg)
-    law = np.ones(1)
-    for d in range(depth + 1):
-        rows = probs[OFFSETS[d] : OFFSETS[d] + VOCAB**d]  # [V^d, V] in prefix-code order
-        law = (law[:, None] * rows).reshape(-1)
-    return law
-
-
-def _faulty_resample_from_p(p, q, x):
-    accept_prob, _ = _rejection_step(p, q, x)
-    return accept_prob, p  # after a rejection, sample p instead of the residual
 
 
 def _faulty_residual_at_drafted_token(p, q, x):
@@ -172,7 +150,7 @@ def _verdict(key, target_table, cfg, topology, tree, codes, processed_q, raw_q, 
             rows=rows,
         )
     step = {
-        "resample_from_p": _faulty_resample_from_p,
+        "resample_from_p": faulty_resample_from_p,
         "residual_at_drafted_token": _faulty_residual_at_drafted_token,
     }.get(rule, _rejection_step)
     logp = process_logits(target_logits, cfg)

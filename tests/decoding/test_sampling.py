@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from numpy_reference import ALPHA, law_test, processed_probs
 
 from jaxspec.decoding import SamplingConfig, process_logits, sample
+from jaxspec.testing.laws import ALPHA, law_test, processed_probs
 
 SETTINGS = [  # (temperature, top_k, top_p)
     (1.0, 0, 1.0),

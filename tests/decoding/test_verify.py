@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from numpy_reference import processed_probs
 
 from jaxspec.decoding import METHODS, SamplingConfig, Tree, process_logits, sample, verify
 from jaxspec.decoding.verify import _rejection_step
+from jaxspec.testing.laws import processed_probs
 
 BUSHY = (-1, -1, 0, 0, 1, 2, 2, 5)  # several children per node, depth 4
 

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import ARG_ORDER, make_inputs, numpy_reference, rel_err
 
 from jaxspec.kernels import CacheLayer, tree_attention, tree_attention_blocked, tree_attention_reference
+from jaxspec.testing.tree_attention import ARG_ORDER, make_inputs, numpy_reference, rel_err
 
 blocked = jax.jit(tree_attention_blocked, static_argnames=("scale", "block_k"))
 

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import ARG_ORDER, FLOAT_ARGS, TOL, make_inputs, rel_err
 
 from jaxspec.kernels import jax_triton_available, resolve_backend, tree_attention
 from jaxspec.kernels.reference import tree_attention_reference
+from jaxspec.testing.tree_attention import ARG_ORDER, FLOAT_ARGS, TOL, make_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 

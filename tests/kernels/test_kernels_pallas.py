@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import ARG_ORDER, FLOAT_ARGS, TOL, make_inputs, rel_err
 
 from jaxspec.kernels import tree_attention, tree_attention_reference
 from jaxspec.kernels.pallas import tree_attention_pallas
+from jaxspec.testing.tree_attention import ARG_ORDER, FLOAT_ARGS, TOL, make_inputs, rel_err
 
 reference = jax.jit(tree_attention_reference)
 

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kernel_cases import ARG_ORDER, make_inputs, numpy_reference, rel_err
 
 from jaxspec.kernels import tree_attention_reference
+from jaxspec.testing.tree_attention import ARG_ORDER, make_inputs, numpy_reference, rel_err
 
 
 def naive_tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, scale=None):

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from kernel_cases import TOL
+
+from jaxspec.testing.tree_attention import TOL
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -107,10 +108,10 @@ def test_jax_triton_call_wiring(monkeypatch, api):
     with either jax-triton API (out_type=/name= now, out_shape= before)."""
     import jax.numpy as jnp
     import numpy as np
-    from kernel_cases import ARG_ORDER, make_inputs
 
     from jaxspec.kernels import triton_backend
     from jaxspec.kernels.triton_kernel import launch_config, tree_attention_kernel
+    from jaxspec.testing.tree_attention import ARG_ORDER, make_inputs
 
     calls = []
 

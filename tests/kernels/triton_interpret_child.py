@@ -8,18 +8,15 @@ tested against the jnp one in test_kernels_reference.py, so this process compile
 
 import json
 import os
-import pathlib
-import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from kernel_cases import ARG_ORDER, FLOAT_ARGS, make_inputs, numpy_reference, rel_err  # noqa: E402
 
 from jaxspec.kernels.triton_kernel import launch_config, tree_attention_kernel  # noqa: E402
+from jaxspec.testing.tree_attention import ARG_ORDER, FLOAT_ARGS, make_inputs, numpy_reference, rel_err  # noqa: E402
 
 TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUMPY = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}

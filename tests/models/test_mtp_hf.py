@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
-from test_mtp import TorchMTP, _random_head, _torch_layout
 
 from jaxspec.models import ModelConfig
 from jaxspec.models.hf import HFCheckpointError, save_hf
 from jaxspec.models.mtp import load_mtp, save_mtp
+from jaxspec.testing.torch_mtp import TorchMTP, random_head, torch_layout
 
 # our torch-layout short names -> DeepSeek-V3's names inside model.layers.{L}.
 _DEEPSEEK = {
@@ -34,12 +34,12 @@ def _leaves(head):
 
 def test_a_deepseek_layout_checkpoint_loads_and_round_trips(make_policy, tmp_path):
     policy = make_policy(ModelConfig.tiny("qwen3"), seed=3)
-    head = _random_head(policy, seed=4)
+    head = random_head(policy, seed=4)
     n_layers = policy.config.num_layers
     # a trunk + MTP checkpoint as DeepSeek-V3 ships one: the trunk's tensors, then layer L
     save_hf(policy, tmp_path / "ckpt")
     tensors = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
-    for short, w in _torch_layout(head).items():
+    for short, w in torch_layout(head).items():
         tensors[f"model.layers.{n_layers}.{_DEEPSEEK[short]}"] = np.ascontiguousarray(w)
     for shared in ("embed_tokens.weight", "shared_head.head.weight"):  # tied: the embedding
         tensors[f"model.layers.{n_layers}.{shared}"] = tensors["model.embed_tokens.weight"]

@@ -4,10 +4,10 @@ import dataclasses
 
 import jax
 import pytest
-from parallel_cases import rescaled
 
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.testing.meshes import rescaled
 
 
 @pytest.fixture(scope="session")

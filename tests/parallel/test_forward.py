@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
-from parallel_cases import MESHES
 
 from jaxspec import parallel
 from jaxspec.decoding.tree import Tree
 from jaxspec.models import compact
+from jaxspec.testing.meshes import MESHES
 
 BATCH, WIDTH, MAX_LEN = 8, 6, 16
 CAPTURE = (0, 2)

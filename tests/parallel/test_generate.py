@@ -8,12 +8,12 @@ propagates the batch sharding from the ids to the token buffer and the KV cache.
 import jax
 import numpy as np
 import pytest
-from parallel_cases import MESHES
 
 from jaxspec import parallel
 from jaxspec.decoding.drafters import Eagle3Drafter, NGramDrafter
 from jaxspec.decoding.engine import generate
 from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.testing.meshes import MESHES
 
 PROMPTS = [[5, 9, 5, 9, 5, 9, 5], [7, 8, 9], [10, 11, 12, 13, 10, 11], [3, 3, 3, 3],
            [5, 6], [1, 1, 2, 2, 3, 3], [9, 8, 7, 6, 5], [4]]

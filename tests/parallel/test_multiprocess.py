@@ -11,16 +11,16 @@ import sys
 import time
 
 import jax
-import multiprocess_worker as worker
 import numpy as np
 import pytest
-from cheap_compiles import subprocess_env
 
 from jaxspec import parallel
 from jaxspec.checkpoint import CheckpointManager
 from jaxspec.models import save_hf
+from jaxspec.testing import ROOT
+from jaxspec.testing import multiprocess_sharding as worker
+from jaxspec.testing.compile import subprocess_env
 
-HERE = pathlib.Path(__file__).resolve().parent
 TIMEOUT_S = 240  # for the whole two-process run
 
 
@@ -34,19 +34,15 @@ def child_env() -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR", "JAXSPEC_"))}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]))
-    cache_dir = jax.config.jax_compilation_cache_dir  # reuse the suite's compilation cache
-    if cache_dir:
-        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return subprocess_env(env)  # compiling as this process does
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    return subprocess_env(env)  # compiling as this process does, with the suite's cache
 
 
 def launch(workdir: pathlib.Path, num_processes: int = 2) -> list[subprocess.Popen]:
     port = free_port()
     return [
         subprocess.Popen(
-            [sys.executable, str(HERE / "multiprocess_worker.py"), str(i), str(num_processes),
+            [sys.executable, "-m", worker.__name__, str(i), str(num_processes),
              str(port), str(workdir)],
             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(num_processes)

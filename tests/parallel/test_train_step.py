@@ -20,20 +20,14 @@ Two config choices the comparison needs:
   at most lr / eps = 300 times that change, so rounding noise (~1e-9) stays far below 1e-5.
 """
 
-import pathlib
-import sys
-
 import jax
 import numpy as np
 import pytest
-from parallel_cases import MESHES
 
 from jaxspec import parallel
 from jaxspec.rl.trainer import GRPOTrainer
-
-# tests/rl's shared base and short config (the same module object that tests/rl imports)
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "rl"))
-from test_trainer import make_config, warmed_base
+from jaxspec.testing.meshes import MESHES
+from jaxspec.testing.rl import make_config, warmed_base  # tests/rl's short config and base
 
 STEPS = 2
 EXTRA = [f"run.steps={STEPS}", "run.compare_plain=0", "async.enabled=false",

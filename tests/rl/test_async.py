@@ -9,10 +9,10 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from test_trainer import SHORT, rollout_logprobs, warmed_base
 
 from jaxspec.config import load_config
 from jaxspec.rl.trainer import GRPOTrainer
+from jaxspec.testing.rl import SHORT, rollout_logprobs, warmed_base
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"

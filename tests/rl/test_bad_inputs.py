@@ -5,7 +5,6 @@ scripts/train_grpo.py naming the key, the value and what is valid, before anythi
 import json
 import logging
 import pathlib
-import sys
 
 import jax
 import pytest
@@ -13,10 +12,10 @@ from safetensors.numpy import load_file, save_file
 
 from jaxspec.models import ModelConfig, Policy, save_hf
 from jaxspec.models.eagle3 import Eagle3Head, save_eagle3
+from jaxspec.testing.scripts import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import train_grpo  # noqa: E402
+train_grpo = load_script("train_grpo")
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 # the tiny run's policy: 4 layers, hidden 64, the character tokenizer's 25 ids

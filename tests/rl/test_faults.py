@@ -18,10 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cheap_compiles import subprocess_env
-from script_loader import load_script
-from test_resume import assert_same_tree, rows
-from test_trainer import SHORT, warmed_base
 
 import jaxspec.rl.trainer as trainer_module
 from jaxspec.checkpoint import CheckpointManager
@@ -31,6 +27,9 @@ from jaxspec.models import load_hf
 from jaxspec.rl import faults
 from jaxspec.rl.state import save_checkpoint
 from jaxspec.rl.trainer import GRPOTrainer
+from jaxspec.testing.compile import subprocess_env
+from jaxspec.testing.rl import SHORT, assert_same_tree, rows, warmed_base
+from jaxspec.testing.scripts import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -167,11 +166,9 @@ def test_torn_metrics_line_is_dropped_and_reported(tmp_path):
 # ----------------------------------------------------------------------------- signals
 
 def _subprocess_env():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
-               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    # JAX_PLATFORMS and XLA_FLAGS (8 CPU devices) as in this process, and its compile options
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    # JAX_PLATFORMS and XLA_FLAGS (8 CPU devices) as in this process, its compile options and
+    # its compilation cache
     return subprocess_env(env)
 
 

@@ -4,15 +4,14 @@ naming the key and the file, before anything compiles (issue 19)."""
 import json
 import logging
 import pathlib
-import sys
 
 import jax
 import pytest
 
 from jaxspec.models import ModelConfig, Policy, save_hf
+from jaxspec.testing.scripts import load_script
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
-import train_grpo  # noqa: E402
+train_grpo = load_script("train_grpo")
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 

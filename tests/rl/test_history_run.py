@@ -2,15 +2,13 @@
 rollouts, is checkpointed, and a resumed run continues with the same store (and so the same
 drafts, acceptance and parameters) as an uninterrupted run."""
 
+import dataclasses
 import json
 import pathlib
-
-import dataclasses
 
 import jax
 import numpy as np
 import pytest
-from test_resume import Killed, assert_same_tree
 
 from jaxspec.config import ConfigError, load_config
 from jaxspec.decoding.history import HistoryDrafter, HistoryStore, HybridDrafter
@@ -19,6 +17,7 @@ from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.rl import cluster
 from jaxspec.rl.rollouts import make_drafter, prompt_keys
 from jaxspec.rl.trainer import GRPOTrainer
+from jaxspec.testing.rl import Killed, assert_same_tree
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"

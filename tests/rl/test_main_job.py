@@ -9,8 +9,6 @@ import jax
 import matplotlib.image
 import numpy as np
 import pytest
-from script_loader import load_script
-from test_trainer import SHORT, warmed_base  # the shortened tiny.yaml every test in tests/rl runs
 
 from jaxspec.config import load_config
 from jaxspec.decoding.drafters import Eagle3Drafter
@@ -22,6 +20,8 @@ from jaxspec.models.hf import config_to_hf
 from jaxspec.rl.rollouts import encode_prompts
 from jaxspec.rl.tasks import make_task
 from jaxspec.rl.trainer import GRPOTrainer
+from jaxspec.testing.rl import SHORT, warmed_base  # the shortened tiny.yaml every test in tests/rl runs
+from jaxspec.testing.scripts import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")

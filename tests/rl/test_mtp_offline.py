@@ -6,7 +6,6 @@ import re
 
 import jax
 import numpy as np
-from script_loader import load_script
 
 from jaxspec.config import load_config
 from jaxspec.decoding.drafters import MTPDrafter
@@ -17,8 +16,10 @@ from jaxspec.models.mtp import MTPHead, load_mtp
 from jaxspec.rl.plan import prepare_run
 from jaxspec.rl.rollouts import encode_prompts
 from jaxspec.rl.tasks import make_task
+from jaxspec.testing import rl
+from jaxspec.testing.scripts import load_script
 
-from test_main_job import TINY  # noqa: I001
+TINY = str(rl.TINY)
 
 # a short policy warm-up: the head learns the (imperfect) policy's own continuations
 FAST = ["warmup.steps=40", "warmup.batch_size=16", "warmup.draft_rollouts=32",

@@ -1,16 +1,12 @@
 """MTP training (draft.kind mtp): the DeepSeek-V3-style loss and its gradient against an
-independent PyTorch MTP module (tests/models/test_mtp.py), no gradient into the policy, and
+independent PyTorch MTP module (jaxspec.testing.torch_mtp), no gradient into the policy, and
 GRPO runs whose policy is untouched by the draft while acceptance rises."""
-
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from test_trainer import make_config, warmed_base
 
 from jaxspec.config import ConfigError
 from jaxspec.models import ModelConfig
@@ -20,11 +16,8 @@ from jaxspec.rl.chunked import lm_head
 from jaxspec.rl.draft import TargetHead, mtp_hidden, mtp_loss
 from jaxspec.rl.plan import prepare_run
 from jaxspec.rl.trainer import GRPOTrainer
-
-_spec = importlib.util.spec_from_file_location(
-    "mtp_reference", pathlib.Path(__file__).parents[1] / "models" / "test_mtp.py")
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)  # TorchMTP, _random_head, _torch_layout
+from jaxspec.testing.rl import make_config, warmed_base
+from jaxspec.testing.torch_mtp import TorchMTP, random_head, torch_layout
 
 
 def _batch(policy, b=3, t=10, seed=0):
@@ -44,7 +37,7 @@ def _batch(policy, b=3, t=10, seed=0):
 @pytest.mark.parametrize("chunk", [0, 7])
 def test_mtp_loss_and_gradient_match_a_torch_reference(chunk):
     policy = random_policy(ModelConfig.tiny("qwen3"), seed=3)  # tied embeddings, QK-norm
-    head = ref._random_head(policy, seed=4)
+    head = random_head(policy, seed=4)
     tokens, positions, response, features = _batch(policy)
     weight, axis = lm_head(policy)
     target = TargetHead(jnp.zeros(features.shape), weight, vocab_axis=axis)
@@ -55,8 +48,8 @@ def test_mtp_loss_and_gradient_match_a_torch_reference(chunk):
     (got, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(head.params)
 
     # torch: CE of token t+2 from (h_t, embedding of t+1), where t+2 is a response token
-    w = ref._torch_layout(head)
-    torch_mtp = ref.TorchMTP(w, head.config.layer)
+    w = torch_layout(head)
+    torch_mtp = TorchMTP(w, head.config.layer)
     torch_mtp.w["eh_proj"].requires_grad_(True)
     embeds = np.array(policy.embed(np.roll(tokens, -1, axis=1)))
     logits = torch_mtp(torch.from_numpy(embeds), torch.from_numpy(features),
@@ -84,7 +77,7 @@ def test_unrolled_steps_are_what_the_drafter_computes():
     drafts: a cache of step-0 entries up to t, then s entries fed one at a time, each with
     the previous output and the next token, at positions t+1 .. t+s."""
     policy = random_policy(ModelConfig.tiny("qwen3"), seed=3)
-    head = ref._random_head(policy, seed=4)
+    head = random_head(policy, seed=4)
     tokens, positions, _, features = _batch(policy)
     steps = 3
     unrolled = jax.jit(lambda f, t, p: mtp_hidden(head, head.params, policy.embed, f, t, p, steps))(
@@ -110,7 +103,7 @@ def test_no_gradient_reaches_the_policy():
     """The loss as a function of the policy's params (features, embeddings and LM head all
     come from them) has gradient exactly 0; the head's own gradient is not."""
     policy = random_policy(ModelConfig.tiny("qwen3"), seed=3)
-    head = ref._random_head(policy, seed=4)
+    head = random_head(policy, seed=4)
     tokens, positions, response, _ = _batch(policy)
     last = policy.config.num_layers - 1
 

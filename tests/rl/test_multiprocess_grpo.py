@@ -3,7 +3,7 @@ of each) equals the same trainer in one process with 4 CPU devices, on the same 
 (data=2, fsdp=1, tensor=2: the rollout rows split across the processes, the parameters'
 tensor shards inside each, as docs/scaling.md lays a run out over GPU nodes).
 
-Both runs are the real trainer from the short tiny config in `multiprocess_grpo_worker.py`:
+Both runs are the real trainer from the short tiny config in `jaxspec.testing.multiprocess_grpo`:
 warm-up, in-domain EAGLE-3 initialisation, speculative generation (plus the plain replay
 check), the logprob stage, the GRPO and online draft updates, a checkpoint every step and
 the export. In the two-process run process 1 alone gets a SIGTERM after step 2: both stop
@@ -23,15 +23,15 @@ import sys
 import time
 
 import jax
-import multiprocess_grpo_worker as worker
 import numpy as np
 import pytest
-from cheap_compiles import subprocess_env
 
 from jaxspec.checkpoint import CheckpointManager
 from jaxspec.models import load_hf
+from jaxspec.testing import ROOT
+from jaxspec.testing import multiprocess_grpo as worker
+from jaxspec.testing.compile import subprocess_env
 
-HERE = pathlib.Path(__file__).resolve().parent
 TIMEOUT_S = 300  # for both runs together
 TIMING = ("time/", "share/", "generation_time_s", "generation_plain_time_s", "generation_speedup")
 
@@ -46,19 +46,15 @@ def child_env(devices: int) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR", "JAXSPEC_"))}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")]))
-    cache_dir = jax.config.jax_compilation_cache_dir  # the suite's compilation cache
-    if cache_dir:
-        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return subprocess_env(env)  # compiling as this process does
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    return subprocess_env(env)  # compiling as this process does, with the suite's cache
 
 
 def launch(workdir: pathlib.Path, num_processes: int, mode: str) -> list[subprocess.Popen]:
     port = free_port()
     return [
         subprocess.Popen(
-            [sys.executable, str(HERE / "multiprocess_grpo_worker.py"), str(i), str(num_processes),
+            [sys.executable, "-m", worker.__name__, str(i), str(num_processes),
              str(port), str(workdir), mode],
             env=child_env(worker.DEVICES), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
@@ -174,7 +170,7 @@ def test_the_script_joins_the_processes_of_a_launch(tmp_path):
     port = free_port()
     env = child_env(2)
     env.update(JAXSPEC_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAXSPEC_NUM_PROCESSES="2")
-    script = HERE.parents[1] / "scripts" / "train_grpo.py"
+    script = ROOT / "scripts" / "train_grpo.py"
     procs = [(f"process {i}", subprocess.Popen(
         [sys.executable, str(script), str(worker.TINY), f"run.dir={tmp_path}", "mesh.data=6"],
         env={**env, "JAXSPEC_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
@@ -185,7 +181,7 @@ def test_the_script_joins_the_processes_of_a_launch(tmp_path):
 
 def test_one_process_resumes_the_two_process_checkpoint(runs):
     """The checkpoint of step 2 that two processes wrote resumes in one process (a topology
-    it was not saved on: `multiprocess_grpo_worker.resume_here`), and its step 3 equals the
+    it was not saved on: `jaxspec.testing.multiprocess_grpo.resume_here`), and its step 3 equals the
     one-process run's."""
     _, _, one = runs
     np.testing.assert_array_equal(one["r3_tokens"], one["b3_tokens"])

@@ -9,35 +9,13 @@ import pathlib
 
 import numpy as np
 import pytest
-from script_loader import load_script
+
+from jaxspec.testing.qwen_tokenizer import PROMPTS, write_tokenizer_files
+from jaxspec.testing.scripts import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 QWEN = str(ROOT / "configs" / "qwen3_8b_eagle3.yaml")
-SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Qwen's chat template, reduced to what a one-turn prompt uses.
-TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
-            "message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
-            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-PROMPTS = [("What is 12 + 30?", "42"), ("Compute 7 * 6.", "42"), ("What is 100 - 1?", "99"),
-           ("Simplify \\frac{6}{8}.", "\\frac{3}{4}"), ("What is 2^5?", "32"),
-           ("How many sides has a hexagon?", "6")]
 MAX_NEW = 12
-
-
-def _tokenizer_files(path: pathlib.Path) -> dict:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=list(SPECIAL), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([p for p, _ in PROMPTS] * 4 + ["The answer is \\boxed{42}."], trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": TEMPLATE}))
-    return {name: tok.token_to_id(name) for name in SPECIAL}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +27,7 @@ def qwen(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = tmp_path_factory.mktemp("qwen3")
-    ids = _tokenizer_files(path)
+    ids = write_tokenizer_files(path)
     im_end, eot = ids["<|im_end|>"], ids["<|endoftext|>"]
     config = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -1,54 +1,22 @@
 """Resume: 4 steps straight equal 2 steps, a stop right after step 2's checkpoint, and a
 resumed run of 2 more steps: identical parameters, optimizer states and metrics."""
 
-import json
-import pathlib
-
-import jax
-import numpy as np
 import pytest
-from test_trainer import SHORT, warmed_base
 
 from jaxspec.checkpoint import CheckpointManager
-from jaxspec.config import load_config
 from jaxspec.rl.trainer import GRPOTrainer
+from jaxspec.testing.rl import Killed, assert_same_tree, make_config, rows, warmed_base
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ROOT / "configs" / "tiny.yaml"
 MODES = {
     "sync": [],
     "async": ["async.enabled=true", "async.generation_devices=4", "async.training_devices=4",
               "grpo.tis=token", "async.max_policy_lag=1"],
 }
-TIMING = ("time/", "share/", "generation_time_s", "generation_plain_time_s", "generation_speedup")
-
-
-def make_config(run_dir, *extra):
-    return load_config(TINY, SHORT + [f"run.dir={run_dir}", *extra])
 
 
 @pytest.fixture(scope="module")
 def base():
-    return warmed_base()[:2]  # shared with test_trainer.py (built once per session)
-
-
-class Killed(Exception):
-    pass
-
-
-def rows(run_dir):
-    with open(run_dir / "metrics.jsonl") as fh:
-        out = [json.loads(line) for line in fh]
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in out]
-
-
-def assert_same_tree(a, b):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x, y = jax.random.key_data(x), jax.random.key_data(y)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    return warmed_base()[:2]  # shared with tests/rl (built once per process)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

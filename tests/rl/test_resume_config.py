@@ -5,7 +5,6 @@ line and recorded in config_history.jsonl, with config.yaml kept."""
 import json
 import logging
 import pathlib
-import sys
 
 import jax
 import pytest
@@ -17,10 +16,10 @@ from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.rl import plan as plan_lib
 from jaxspec.rl.state import config_changes
 from jaxspec.rl.trainer import GRPOTrainer
+from jaxspec.testing.scripts import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import train_grpo  # noqa: E402
+train_grpo = load_script("train_grpo")
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 BASE = ["warmup.steps=0", "warmup.draft_steps=0", "rollout.prompts_per_step=4",

@@ -7,12 +7,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from test_trainer import make_config, warmed_base
 
 from jaxspec.config import ConfigError
 from jaxspec.rl.grpo import group_advantages
 from jaxspec.rl.steps import POLICY_INPUTS, policy_update
 from jaxspec.rl.trainer import GRPOTrainer, ReuseMismatch
+from jaxspec.testing.rl import make_config, warmed_base
 
 REUSE = ["grpo.reuse_generation_logprobs=true"]
 

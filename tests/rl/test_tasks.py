@@ -407,10 +407,10 @@ def test_counting_rejects_bad_parameters():
 
 @pytest.fixture(scope="module")
 def hf_tokenizer_dir(tmp_path_factory):
-    from test_real_config import _tokenizer_files
+    from jaxspec.testing.qwen_tokenizer import write_tokenizer_files
 
     path = tmp_path_factory.mktemp("tok")
-    ids = _tokenizer_files(path)
+    ids = write_tokenizer_files(path)
     (path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}))
     return path, ids

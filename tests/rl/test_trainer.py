@@ -1,17 +1,14 @@
 """The GRPO trainer (sync): replay verification of whole training steps, the first step
 against an independent GRPO computation, and the acceptance-collapse alarm.
 
-All trainers in tests/rl share one warmed-up base (`warmed_base`: tiny policy + in-domain
-EAGLE-3 head) and the same shapes, so compiled programs and the warm-up are reused.
+All trainers in tests/rl share one warmed-up base (`jaxspec.testing.rl.warmed_base`: tiny
+policy + in-domain EAGLE-3 head) and the same shapes, so compiled programs and the warm-up
+are reused.
 """
 
 import dataclasses
-import functools
-import os
-import pathlib
 import subprocess
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -19,44 +16,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxspec.config import load_config
-from jaxspec.rl.build import build_policy
-from jaxspec.rl.cluster import Cluster
-from jaxspec.rl.drafting import DraftLearner
-from jaxspec.rl.plan import prepare_run
-from jaxspec.rl.steps import sampling_of
 from jaxspec.rl.tasks import CharTokenizer
 from jaxspec.rl.trainer import GRPOTrainer
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ROOT / "configs" / "tiny.yaml"
-# tiny.yaml shortened: a smaller batch and warm-up (the full run is scripts/train_grpo.py)
-SHORT = ["rollout.prompts_per_step=4", "rollout.group_size=4", "warmup.steps=100",
-         "warmup.batch_size=32", "warmup.draft_rollouts=64", "warmup.draft_steps=30",
-         "run.compare_plain=2", "run.save_every=2"]
-
-
-def make_config(run_dir, *extra):
-    return load_config(TINY, SHORT + [f"run.dir={run_dir}", *extra])
-
-
-@functools.cache
-def warmed_base():
-    """A warmed-up policy and its in-domain EAGLE-3 head, built by the trainer's parts as a
-    run of the short config would build them (once per test session; no GRPO trainer, and
-    nothing is written to run.dir). Returns (policy, head, warm-up history)."""
-    run_dir = os.path.join(tempfile.gettempdir(), f"jaxspec-test-base-{os.getpid()}")
-    cfg = make_config(run_dir, "run.steps=1")
-    plan = prepare_run(cfg)
-    cluster = Cluster.from_plan(cfg, plan)
-    history = {}
-    policy = build_policy(cfg, plan, cluster, resuming=False, history=history)
-    sampling, filtered = sampling_of(cfg.sampling)
-    learner = DraftLearner(cfg, plan, cluster, sampling, filtered=filtered)
-    # the reference makes the scoring program the RL step's own: compiled once for both
-    head, _ = learner.build_head(policy, resuming=False, ref_params=policy.params,
-                                 history=history)
-    return cluster.place_policy(policy), cluster.place_head(head), history
+from jaxspec.testing import ROOT
+from jaxspec.testing.rl import make_config, packed, rollout_logprobs, warmed_base
 
 
 @pytest.fixture(scope="module")
@@ -81,32 +44,6 @@ def test_warmup_makes_a_base_policy_and_an_in_domain_draft():
     used = [tok.EOS] + [tok.encode(d)[0] for d in "0123456789"]
     assert 64 <= counts.sum() <= 64 * 8 and counts[used].sum() > 0.9 * counts.sum()
     assert set(np.asarray(head.draft_to_target()).tolist()) == set(range(25))
-
-
-def packed(batch):
-    """Prompt + rollout per row, right-padded (numpy, written independently of the trainer)."""
-    b, p = batch.prompts.shape
-    n = batch.tokens.shape[1]
-    seq = np.zeros((b, p + n), np.int32)
-    pos = np.full((b, p + n), -1, np.int32)
-    for i in range(b):
-        pl, gl = int(batch.prompt_lengths[i]), int(batch.lengths[i])
-        seq[i, :pl] = batch.prompts[i, :pl]
-        seq[i, pl:pl + gl] = batch.tokens[i, :gl]
-        pos[i, :pl + gl] = np.arange(pl + gl)
-    return seq, pos
-
-
-def rollout_logprobs(policy, params, batch):  # -> [B, N] log p(generated token) at temperature 1
-    seq, pos = packed(batch)
-    logits, _, _ = policy.replace(params=params).forward(jnp.asarray(seq), jnp.asarray(pos))
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    pl = jnp.asarray(batch.prompt_lengths)[:, None]
-    j = jnp.arange(batch.tokens.shape[1])[None, :]
-    at = jnp.clip(pl + j - 1, 0, seq.shape[1] - 1)
-    logp_at = logp[jnp.arange(seq.shape[0])[:, None], at]  # [B, N, V]
-    lp = jnp.take_along_axis(logp_at, jnp.asarray(batch.tokens)[..., None], axis=-1)[..., 0]
-    return jnp.where(j < jnp.asarray(batch.lengths)[:, None], lp, 0.0)
 
 
 def one_device(tree):

@@ -1,0 +1,40 @@
+"""Cheap compiles for tests, through JAX's public `jax_disable_most_optimizations` flag, and
+the environment that gives a subprocess the same compiles (numbers compared across processes
+then come from the same kind of executable).
+
+Cheap: XLA without its expensive optimisation passes (backend optimisation level 0, LLVM's
+expensive passes off). The flag is part of the persistent compilation cache's key, so a
+cheap executable is never served to a full compile, nor the reverse.
+"""
+
+import os
+
+import jax
+
+_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # the flag's environment variable (read at import)
+_cheap = [os.environ.get(_ENV, "").lower() in ("1", "true")]
+
+
+def use_cheap_compiles(cheap: bool) -> None:
+    """Compile cheaply (True) or as users do (False) from now on in this process."""
+    jax.config.update("jax_disable_most_optimizations", cheap)
+    _cheap[0] = cheap
+
+
+def cheap_compiles() -> bool:
+    """Whether this process compiles cheaply now (as set by `use_cheap_compiles`, or by the
+    environment variable at start)."""
+    return _cheap[0]
+
+
+def subprocess_env(env: dict) -> dict:
+    """`env` (a subprocess's environment) plus what makes the subprocess compile as this
+    process compiles now, and share this process's persistent compilation cache (if it has
+    one), so that a program the suite compiled is a cache read there."""
+    out = {**env, _ENV: "true" if cheap_compiles() else "false"}
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if cache_dir:
+        out.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return out
