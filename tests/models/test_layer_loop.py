@@ -3,13 +3,13 @@
 forward bit for bit, and refuses to scan; the Pallas kernel reading the stacked cache in
 place gives a decode step the reference backend's numbers."""
 
-import cheap_compiles
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec.models import ModelConfig
 from jaxspec.models.transformer import random_policy
+from jaxspec.testing.compile import use_cheap_compiles
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -17,7 +17,7 @@ def _compile_as_users_do():
     """Bitwise equalities hold for the programs users run (full XLA optimisation), not for
     the suite's cheap compiles (tests/conftest.py lists such modules in
     _FULL_OPTIMISATION; this module sets it here, after conftest's fixture)."""
-    cheap_compiles.use(False)
+    use_cheap_compiles(False)
     yield
 
 

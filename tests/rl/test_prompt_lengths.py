@@ -6,19 +6,18 @@ against it, which stops with one `error:` line before anything compiles."""
 import itertools
 import logging
 import pathlib
-import sys
 
 import jax
 import pytest
 
 from jaxspec.config import load_config
 from jaxspec.rl.plan import prepare_run
+from jaxspec.testing.scripts import load_script
 from jaxspec.rl.tasks import TASKS, ArithmeticTask, CountdownTask, CountingTask, JsonlTask, \
     WorkedAdditionTask
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import train_grpo  # noqa: E402
+train_grpo = load_script("train_grpo")
 
 LONG = str(ROOT / "configs" / "long.yaml")
 

@@ -6,9 +6,9 @@ import random
 import matplotlib
 import matplotlib.image
 import pytest
-from script_loader import load_script
 
 from jaxspec.metrics import MetricsWriter, StageTimer, read_metrics
+from jaxspec.testing.scripts import load_script
 
 report = load_script("report")
 
