@@ -63,7 +63,7 @@ def stages_figure(rows):
                         bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
     ax.set(xlabel="step", ylabel="seconds",
            title="Step time by stage (bar = time/step; step 1 compiles)")
-    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.17))
     return fig
 
 
@@ -117,7 +117,7 @@ def plot_run(run_dir: str) -> list[str]:
         ax2.set_ylim(0, 1)
         ax2.set_ylabel("acceptance rate (right axis)")
     handles = [h for a in fig.axes for h in a.get_legend_handles_labels()[0]]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3,
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3,
               fontsize=8)  # below the axes: the curves fill the plot
     ax.grid(alpha=0.3)
     save(fig, "acceptance.png")
