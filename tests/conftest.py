@@ -55,10 +55,25 @@ def _has_gpu() -> bool:
         return False
 
 
-# The files that take longest, longest first (measured with `--durations`; README). With
-# `-n 2 --dist loadfile --no-loadscope-reorder` xdist hands files to the workers in
-# collection order, so a long file never starts last while the other worker runs out of work.
+# The files that take longest, longest first (their tests' summed times in `--durations=40`
+# of a `-n 2` run). With `--dist loadfile --no-loadscope-reorder` xdist hands files to the
+# workers in collection order, so a long file never starts last while the other worker runs
+# out of work (xdist's default order, by number of tests, put most of these at the end).
 LONGEST_FIRST = (
+    "tests/decoding/test_adaptive.py",
+    "tests/decoding/test_cache_growth.py",
+    "tests/rl/test_faults.py",
+    "tests/decoding/test_split_invariance.py",
+    "tests/rl/test_multiprocess_grpo.py",
+    "tests/decoding/test_oracle.py",
+    "tests/rl/test_trainer.py",
+    "tests/rl/test_reuse_logprobs.py",
+    "tests/decoding/test_batch_invariant.py",
+    "tests/rl/test_real_config.py",
+    "tests/rl/test_adaptive_k_run.py",
+    "tests/rl/test_mtp_training.py",
+    "tests/rl/test_main_job.py",
+    "tests/decoding/test_continuous_batching.py",
 )
 
 
