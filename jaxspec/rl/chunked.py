@@ -16,6 +16,13 @@ of storing them, so it never holds more than one chunk either. Maxima are stop-g
 (logsumexp does not depend on the shift), so autodiff through the online recurrences gives
 the exact gradients. `dense_logprobs` is the unchunked form (the reference, and the path
 taken when the vocabulary fits in one chunk).
+
+With the policy's `batch_invariant` mode every normaliser here is the generator's
+(`kernels.invariant.log_normalizer`: exp(z - max) summed within fixed VOCAB_BLOCK blocks, then
+over the blocks): the scan finds the row maximum first, then the block sums, in chunks of
+whole blocks, so log-probs, entropies and draft losses are the same bits at any chunk size
+and row count, and the log-probs are the generator's. Temperature 0 scores the unscaled,
+unfiltered softmax, as the generator reports greedy tokens (docs/training.md).
 """
 
 from __future__ import annotations
