@@ -4,10 +4,13 @@
 256 rows x 24 tokens at temperature 1, 0.7 with top-k/top-p, and 0 (issue 38). The
 references are the generator (the engine's decode forward, one token per row) and a float64
 NumPy log-softmax of the policy's logits, not the scorer's own formula. A 1-layer policy
-8 wide keeps the [rows, V] work small; every row runs to 24 tokens (no stop token).
+8 wide keeps the [rows, V] work small; every row runs to 24 tokens (no stop token). The
+suite runs 16 rows; `JAXSPEC_FULL_EXACTNESS=1` runs all 256.
 
 (The module name holds "test_batch_invariant": tests/conftest.py compiles it as users do.)
 """
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +25,10 @@ from jaxspec.rl import chunked
 from jaxspec.rl.steps import score_rollouts
 
 VOCAB = 151_936  # Qwen3
-ROWS, BATCHES, TOKENS, PROMPT = 64, 4, 24, 8  # 256 rows x 24 tokens
+# The suite runs 16 rows; JAXSPEC_FULL_EXACTNESS=1 runs the issue's 256 rows x 24 tokens
+# (about 17 min of CPU on a 2-core Intel Xeon).
+FULL = os.environ.get("JAXSPEC_FULL_EXACTNESS", "") not in ("", "0")
+ROWS, BATCHES, TOKENS, PROMPT = (64, 4, 24, 8) if FULL else (16, 1, 24, 8)
 SETTINGS = {"t1": SamplingConfig(1.0), "t0.7_topk_topp": SamplingConfig(0.7, 50, 0.9),
             "t0": SamplingConfig(0.0)}
 
@@ -71,7 +77,7 @@ def test_generation_logprobs_equal_score_rollouts_bitwise(rollouts, name):
         np.testing.assert_array_equal(train, gen)
         assert np.all(np.isfinite(gen)) and np.all(gen <= 0)
         tokens += mask.sum()
-    assert tokens == ROWS * BATCHES * TOKENS  # >= 256 rows x 24 tokens compared
+    assert tokens == ROWS * BATCHES * TOKENS  # every token of every row compared
 
 
 def _logits(policy, prompts, lengths, r):  # the policy's logits before each rollout token
@@ -110,8 +116,8 @@ def test_negative_control_log_softmax_is_not_bitwise(policy, rollouts):
     assert np.sum(np.asarray(plain) != np.asarray(r.logprobs[:8])) > 0
 
 
-@pytest.mark.parametrize("chunk, micro", [(256, 0), (1000, 0), (65536, 0), (0, 0), (8192, 2),
-                                          (8192, 4)])
+@pytest.mark.parametrize("chunk, micro", [(1000, 0), (0, 0), (8192, 2)] + (
+    [(256, 0), (65536, 0), (8192, 4)] if FULL else []))
 def test_scores_do_not_depend_on_chunk_or_micro_batch(policy, rollouts, chunk, micro):
     """logprob_chunk 1000 runs as 1024 (whole VOCAB_BLOCKs); 0 is the unchunked forward.
     Log-probs and entropies equal the default (8192, one forward) bit for bit."""
