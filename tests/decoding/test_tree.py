@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.decoding import Tree
+from jaxspec.testing.tree_attention import ancestor_mask as walk_ancestors
 
 PARENTS = np.array(
     [
@@ -16,18 +17,6 @@ PARENTS = np.array(
     ],
     np.int32,
 )
-
-
-def walk_ancestors(parents):
-    """mask[i, j] = j is i or an ancestor of i, by following parent pointers in Python."""
-    n = len(parents)
-    mask = np.zeros((n, n), bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
 
 
 def walk_depths(parents):
