@@ -6,10 +6,11 @@ position s: the cached prefix, then the new tokens the mask allows, wherever the
 so a token decoded alone and the same token inside a verify block or a full-sequence
 training forward see identical key rows; the key slots are summed by a scan, so slots with
 nothing to attend to add exact zeros and the cache capacity (which differs between plain and
-speculative calls) never changes the result. Every other reduction (projections over K,
-norms, q.k over head_dim) is `tree_sum`: halving with elementwise adds, one association
-whatever the shape. XLA's CPU dot and reduce pick kernels by shape (e.g. [M, 64] x [64, 32]
-rounds differently for M <= 24 than for 600 rows). The softmax normaliser
+speculative calls) never changes the result. Projections (`invariant_dot`) are dots of one
+fixed tile shape: XLA's CPU dot picks its kernel, and so its rounding, by the operands' shapes
+(e.g. [M, 64] x [64, 32] rounds differently for M <= 24 than for 600 rows), and one shape
+rounds every row alike. Every other reduction (norms, q.k over head_dim) is `tree_sum`:
+halving with elementwise adds, one association whatever the shape. The softmax normaliser
 (`log_normalizer`) is a fixed tree over blocks of VOCAB_BLOCK vocabulary entries, the one
 the trainer's chunked scorer reproduces (jaxspec.rl.chunked). Products summed by these
 reductions go through `uncontracted`: no FMA, whose use depends on XLA's fusion.
@@ -30,6 +31,11 @@ BLOCK = 16  # key rows are padded to a multiple of this many slots
 # Vocabulary entries per block of the log-normaliser's fixed reduction tree: the trainer's
 # chunked scorer takes vocabulary chunks of a multiple of it (jaxspec.rl.chunked).
 VOCAB_BLOCK = 256
+# `invariant_dot`'s tiles: rows per dot, and output columns per dot (a multiple of VOCAB_BLOCK;
+# the trainer's invariant vocabulary chunks are whole tiles).
+ROW_TILE = 16
+COL_TILE = 4096
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def round_to(x, dtype):  # float32 [...] -> float32 [...] holding values of `dtype`
@@ -50,13 +56,32 @@ def invariant_dot(
     w,  # [K, ...out]
     preferred_element_type=None,
 ):  # -> [..., *out] float32 (or preferred_element_type)
-    """x @ w per row as products summed over K by `tree_sum` (no dot kernel): XLA's CPU dot
-    picks its kernel, and so its rounding, by the row count."""
+    """x @ w per row in float32, every product a dot of one fixed shape: the rows in tiles of
+    ROW_TILE (zero-padded), the output columns in tiles of COL_TILE (zero-padded; one tile of
+    the whole width when it is at most COL_TILE), each tile a [ROW_TILE, K] x [K, tile] dot in
+    a loop. XLA's CPU dot picks its kernel, and so its rounding, by the operands' shapes (the
+    row count; a 256-column dot rounds unlike a 4096-column one); a dot of one shape rounds
+    each row the same wherever it sits in its tile, so a row's result does not depend on the
+    other rows, and a column's does not depend on which COL_TILE-aligned slice of the columns
+    is asked for (the trainer's vocabulary chunks, jaxspec.rl.chunked)."""
     k = x.shape[-1]
     out = w.shape[1:]
     w2 = w.reshape(k, -1).astype(jnp.float32)
-    products = x.astype(jnp.float32)[..., :, None] * w2  # [..., K, O]
-    total = tree_sum(jnp.moveaxis(products, -2, -1)).reshape(*x.shape[:-1], *out)
+    o = w2.shape[1]
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    n = rows.shape[0]
+    tiles = jnp.pad(rows, ((0, -n % ROW_TILE), (0, 0))).reshape(-1, ROW_TILE, k)
+    if o <= COL_TILE:
+        y = jax.lax.map(lambda t: jnp.dot(t, w2, precision=_HIGHEST), tiles)  # [n/R, R, O]
+    else:
+        cols = jnp.pad(w2, ((0, 0), (0, -o % COL_TILE))).reshape(k, -1, COL_TILE).swapaxes(0, 1)
+
+        def row_tile(t):  # [R, K] -> [R, C * COL_TILE]
+            y = jax.lax.map(lambda c: jnp.dot(t, c, precision=_HIGHEST), cols)  # [C, R, COL_TILE]
+            return y.swapaxes(0, 1).reshape(ROW_TILE, -1)
+
+        y = jax.lax.map(row_tile, tiles)
+    total = y.reshape(-1, y.shape[-1])[:n, :o].reshape(*x.shape[:-1], *out)
     return total if preferred_element_type is None else total.astype(preferred_element_type)
 
 
@@ -136,10 +161,13 @@ def invariant_attention(
     cap = max(s_cache, t)
     cap = -(-cap // BLOCK) * BLOCK
     slots = jnp.arange(cap, dtype=jnp.int32)
-    # Which new token sits at slot s of query i's key row (ancestors have distinct positions).
-    at_slot = mask[:, :, :, None] & (positions[:, None, :, None] == slots[None, None, None, :])  # [B,T,T,cap]
-    from_new = jnp.any(at_slot, axis=2)  # [B, T, cap]
-    src = jnp.argmax(at_slot, axis=2)  # [B, T, cap]
+    # Which new token sits at slot s of query i's key row: token j is scattered to slot
+    # positions[j] of every query that may attend to it (ancestors have distinct positions).
+    to_slot = jnp.where(mask & (positions[:, None, :] >= 0), positions[:, None, :], cap)  # [B,T,T]
+    at = (jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], to_slot)
+    src = jnp.zeros((b, t, cap), jnp.int32).at[at].set(
+        jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t, t)), mode="drop")  # [B, T, cap]
+    from_new = jnp.zeros((b, t, cap), bool).at[at].set(True, mode="drop")  # [B, T, cap]
     in_cache = slots[None, :] < cache_lengths[:, None]  # [B, cap]
     allowed = (in_cache[:, None, :] & ~from_new) | from_new  # [B, T, cap]
 

@@ -25,8 +25,13 @@ _log = logging.getLogger("jaxspec.rl")
 def warm_up(policy: Policy, plan, warmup_cfg, seed: int, what: str, *,
             log: Callable[[str], None] | None = None, history: dict | None = None) -> Policy:
     """`warmup.steps` supervised steps on the task's supervised pairs (stream `seed`); the
-    per-step losses go to history[f'{what} loss']."""
+    per-step losses go to history[f'{what} loss']. A `batch_invariant` policy warms up with
+    the default forward (the mode matters where generation and training log-probs meet, not
+    in supervised steps, and its fixed-shape matmuls cost more) and keeps its mode."""
     w = warmup_cfg
+    invariant = policy.config.batch_invariant
+    if invariant:
+        policy = policy.with_config(batch_invariant=False)
     start = time.perf_counter()
     pairs = plan.task.supervised_examples(w.steps * w.batch_size, seed)
     tokens, mask = encode_pairs(plan.tokenizer, pairs)
@@ -36,6 +41,8 @@ def warm_up(policy: Policy, plan, warmup_cfg, seed: int, what: str, *,
             policy, tokens, mask, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
             progress=lambda done, loss: (faults.check_setup_stop(),  # a stop signal: stop here
                                          progress.update(done, f"loss {loss.mean():.3f}")))
+    if invariant:
+        policy = policy.with_config(batch_invariant=True)
     if history is not None:
         history[f"{what} loss"] = losses
     (log or _log.info)(f"warm-up ({what}): {w.steps} steps, loss {losses[0]:.3f} -> "

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decoding.sampling import SamplingConfig, process_logits
-from jaxspec.kernels.invariant import (VOCAB_BLOCK, block_sums, invariant_dot, normalizer_from_blocks,
+from jaxspec.kernels.invariant import (COL_TILE, VOCAB_BLOCK, block_sums, invariant_dot, normalizer_from_blocks,
                                        tree_sum)
 from jaxspec.models.config import matmul_precision
 
@@ -155,7 +155,7 @@ def _vocab_chunked(h, w, vocab_axis, targets, temperature, chunk):
 def _invariant_vocab_chunked(h, w, vocab_axis, targets, temperature, chunk):
     """`_vocab_chunked` with the generator's reduction (`log_normalizer`): a first scan finds
     each row's logit maximum (exact in any order), a second sums exp((x - max) / T) over
-    vocabulary blocks; chunk is a multiple of VOCAB_BLOCK, so the blocks, their sums and the
+    vocabulary blocks; chunk is a multiple of COL_TILE (so of VOCAB_BLOCK), so the blocks, their sums and the
     tree over them are the same at any chunk size and the same as the whole row's."""
     v = w.shape[vocab_axis]
     chunks = _weight_chunks(w, vocab_axis, chunk)
@@ -222,7 +222,8 @@ def token_logprobs(
     row chunks of at most rows x chunk logits (at least one row). chunk 0, or a vocabulary
     that fits in one chunk, computes the logits whole. `invariant` (the policy's
     batch_invariant mode): the batch-invariant matmul and the generator's log-normaliser,
-    vocabulary chunks rounded up to a multiple of `VOCAB_BLOCK`: the log-probs are the
+    vocabulary chunks rounded up to a multiple of `COL_TILE` (whole tiles of that matmul and
+    whole `VOCAB_BLOCK`s of the normaliser): the log-probs are the
     generator's bit for bit whatever `chunk` and the row count."""
     if vocab_axis not in (0, 1):
         raise ValueError(f"token_logprobs: vocab_axis={vocab_axis!r}; valid: 0 ([V, H]) or 1 "
@@ -231,7 +232,7 @@ def token_logprobs(
         raise ValueError(f"token_logprobs: chunk={chunk!r}; valid: an int >= 0 (0: unchunked)")
     vocab = weight.shape[vocab_axis]
     if invariant and chunk:
-        chunk = -(-chunk // VOCAB_BLOCK) * VOCAB_BLOCK
+        chunk = -(-chunk // COL_TILE) * COL_TILE
     if chunk == 0 or chunk >= vocab:
         logits = _project(hidden, weight, vocab_axis, invariant)
         return dense_logprobs(logits, targets.astype(jnp.int32), sampling, filtered, invariant)
@@ -299,9 +300,9 @@ def soft_cross_entropy(
     target_hidden = jax.lax.stop_gradient(target_hidden)
     target_weight = jax.lax.stop_gradient(target_weight)
     vd = draft_weight.shape[1]
-    if invariant:  # chunks of whole blocks, at most the (block-padded) vocabulary
-        whole = -(-vd // VOCAB_BLOCK) * VOCAB_BLOCK
-        chunk = min(-(-chunk // VOCAB_BLOCK) * VOCAB_BLOCK, whole) if chunk else whole
+    if invariant:  # chunks of whole matmul tiles, at most the (tile-padded) vocabulary
+        whole = -(-vd // COL_TILE) * COL_TILE
+        chunk = min(-(-chunk // COL_TILE) * COL_TILE, whole) if chunk else whole
         return _invariant_soft_cross_entropy(target_hidden, target_weight, draft_hidden,
                                              draft_weight, chunk)
     chunk = vd if chunk == 0 or chunk >= vd else chunk
@@ -352,8 +353,8 @@ def _invariant_soft_cross_entropy(target_hidden, target_weight, draft_hidden, dr
     starts = jnp.arange(tw.shape[0], dtype=jnp.int32) * chunk
     n = draft_hidden.shape[0]
 
-    def logits(twc, dwc, hq):  # -> zt, zq [N, c] float32
-        return _project(target_hidden, twc, 1, True), (hq @ dwc).astype(jnp.float32)
+    def logits(twc, dwc, hq):  # -> zt, zq [N, c] float32, both by the tiled matmul (chunk-free)
+        return _project(target_hidden, twc, 1, True), invariant_dot(hq, dwc, jnp.float32)
 
     def peak_body(carry, xs):
         twc, dwc, start = xs

@@ -284,10 +284,10 @@ def test_ttt_attention_in_query_blocks_equals_the_whole():
 
 
 # ----------------------------------------------------------------- the invariant reduction
-# A vocabulary of 4 VOCAB_BLOCKs (the last one partial): the invariant scorer's chunked path
+# A vocabulary of 3 COL_TILEs (the last one partial): the invariant scorer's chunked path
 # (two scans: the row max, then block sums) against float64 NumPy, its gradients against the
 # closed form and against jax.nn.log_softmax's, and chunk-size independence bit for bit.
-VI = 1000
+VI = 9000
 
 
 def _invariant_inputs(seed):
@@ -307,7 +307,7 @@ def test_invariant_logprobs_and_gradients_match_float64_at_any_chunk(temperature
         targets = _np_reference(h, w, targets, temperature, **filters)[2].argmax(-1).astype(np.int32)
     d_lp, d_entropy = np.random.default_rng(7).standard_normal((2, 3, 5))
     results = []
-    for chunk in (256, 300, 512, 0):  # 300 runs as 512
+    for chunk in (4096, 5000, 0):  # chunks are whole COL_TILEs: 5000 runs as 8192
         def f(h, w, chunk=chunk):
             return chunked.token_logprobs(h, w, targets, sampling, vocab_axis=1,
                                           filtered=bool(filters), chunk=chunk, invariant=True)
@@ -350,7 +350,7 @@ def test_invariant_draft_soft_cross_entropy_is_chunk_independent_and_matches_flo
     logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
     want = -(p * logq).sum(-1)
     outs = []
-    for chunk in (256, 700, 0):
+    for chunk in (4096, 7000, 0):
         ce, agree = chunked.soft_cross_entropy(jnp.asarray(th), jnp.asarray(tw), jnp.asarray(dh),
                                                jnp.asarray(dw), chunk=chunk, invariant=True)
         np.testing.assert_allclose(ce, want, rtol=1e-5, atol=1e-5)

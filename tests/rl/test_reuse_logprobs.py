@@ -122,8 +122,8 @@ def test_invariant_reuse_is_bitwise_the_recompute_path_every_step(base, tmp_path
     generation log-probs are the scorer's bit for bit (tolerance 0), so every step reuses them
     (reported as reuse/reused) and trains to the recompute path's losses and params exactly;
     the truncated importance weights exp(old - gen) are exactly 1, at temperature 1 and at 0
-    (greedy: both sides report the unscaled softmax), chunked (logprob_chunk 256 < V is still
-    one VOCAB_BLOCK here) and micro-batched."""
+    (greedy: both sides report the unscaled softmax), with logprob_chunk 256 (one tile of the
+    small vocabulary here) and micro-batched."""
     policy, head = base
     policy = policy.with_config(batch_invariant=True)
     extra = [*INVARIANT, f"sampling.temperature={temperature}", "run.steps=3"]
