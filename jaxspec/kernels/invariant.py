@@ -66,7 +66,10 @@ def invariant_dot(
     is asked for (the trainer's vocabulary chunks, jaxspec.rl.chunked)."""
     k = x.shape[-1]
     out = w.shape[1:]
-    w2 = w.reshape(k, -1).astype(jnp.float32)
+    # The weight as a new row-major [K, O] array (`uncontracted` is a select XLA cannot fold
+    # away): a transposed weight (the tied LM head, embed.T) would otherwise reach the dot as
+    # a transposed operand in some programs and as a copy in others, and round differently.
+    w2 = uncontracted(w.reshape(k, -1).astype(jnp.float32))
     o = w2.shape[1]
     rows = x.reshape(-1, k).astype(jnp.float32)
     n = rows.shape[0]

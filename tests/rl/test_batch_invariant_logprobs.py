@@ -133,3 +133,26 @@ def test_scores_do_not_depend_on_chunk_or_micro_batch(policy, rollouts, chunk, m
     np.testing.assert_array_equal(np.asarray(base["logprobs"])[:n], np.asarray(scored["logprobs"])[:n])
     np.testing.assert_array_equal(np.asarray(other["logprobs"])[mask], np.asarray(base["logprobs"])[mask])
     np.testing.assert_array_equal(np.asarray(other["entropy"])[mask], np.asarray(base["entropy"])[mask])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_tied_vocabulary_main_job_shape_is_bitwise(dtype):
+    """The main job's shape of LM head (a small character vocabulary, tied to the embedding,
+    eight query heads): a transposed tied head once reached the matmul as a transposed
+    operand in the decode program and as a copy in the scorer's, and 84 of 192 log-probs
+    differed in their last bits."""
+    cfg = ModelConfig.tiny("qwen3", num_layers=1, vocab_size=24, hidden_size=32, intermediate_size=64,
+                           num_heads=8, num_kv_heads=4, head_dim=32, dtype=dtype,
+                           max_position_embeddings=64, batch_invariant=True, tie_embeddings=True)
+    policy = random_policy(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 9, 8).astype(np.int32)
+    prompts = np.where(np.arange(8) < lengths[:, None], rng.integers(1, 24, (8, 8)), 0).astype(np.int32)
+    r = generate(policy, [p[:n].tolist() for p, n in zip(prompts, lengths)], sampling=SETTINGS["t1"],
+                 max_new_tokens=24, key=jax.random.key(0))
+    scored = score_rollouts(policy, None, jnp.asarray(prompts), jnp.asarray(lengths), r.tokens,
+                            r.lengths, r.logprobs, SETTINGS["t1"])
+    mask = np.asarray(scored["mask"])
+    assert mask.sum() > 100
+    np.testing.assert_array_equal(np.asarray(scored["logprobs"])[mask],
+                                  np.asarray(scored["gen_logprobs"])[mask])
