@@ -84,3 +84,16 @@ def test_updates_learn_and_the_trained_drafter_is_accepted_more():
     np.testing.assert_array_equal(np.asarray(after.tokens), np.asarray(before.tokens))  # lossless
     assert after.stats.acceptance_length > before.stats.acceptance_length + 0.2
     assert "draft_conf_bce" in metrics and "draft_tv_2" in metrics
+
+
+def test_config_names_a_k_past_the_block():
+    import pytest
+
+    from jaxspec.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["draft.kind=block", "draft.k=5", "draft.block.size=4"])
+    assert e.value.key == "draft.k" and "draft.block.size=4" in str(e.value) and "[1, 3]" in str(e.value)
+    cfg = load_config(None, ["draft.kind=hybrid_block", "draft.k=3", "draft.block.size=8",
+                             "draft.block.markov_rank=16", "draft.block.confidence=true"])
+    assert cfg.draft.block.markov_rank == 16 and cfg.draft.kind == "hybrid_block"
