@@ -51,6 +51,7 @@ from jaxspec.rl.grpo import GRPOConfig
 
 __all__ = [
     "AsyncSpec",
+    "BlockSpec",
     "Config",
     "ConfigError",
     "DraftSpec",
@@ -343,6 +344,25 @@ class NgramSpec:
 
 
 @_section
+class BlockSpec:
+    """The block-parallel draft model (`BlockDrafter`, kinds block and hybrid_block): a DFlash
+    body drafting `size` - 1 tokens in one forward (draft.k of them verified), with DSpark's
+    Markov head (`markov_rank` > 0) and confidence head; trained online with its own
+    optimizer (draft_optim) on the block loss (jaxspec.rl.block_train)."""
+
+    size: int = Field(4, ge=2)  # anchor + drafted positions per forward (tokens)
+    layers: int = Field(1, ge=1)  # the body's decoder layers
+    capture: Optional[tuple[int, ...]] = None  # policy layers fused; null: DFlash's spread
+    mask_token_id: Optional[int] = Field(None, ge=0)  # null: the vocabulary's last id
+    markov_rank: int = Field(0, ge=0)  # DSpark's low-rank Markov head (0: none)
+    confidence: bool = False  # DSpark's confidence head
+    anchors: int = Field(16, ge=1)  # training blocks per rollout
+    gamma: float = Field(7.0, gt=0)  # loss weight of drafted position j: exp(-(j - 1) / gamma)
+    tv: float = Field(0.0, ge=0)  # weight of the total-variation term (DSpark's CE + TV)
+    confidence_weight: float = Field(0.1, ge=0)  # weight of the confidence head's BCE
+
+
+@_section
 class HistorySpec:
     """Group-aware drafting (`HistoryDrafter`, kinds history and hybrid): the continuations
     of the longest matched suffix (min_n <= n <= max_n) in the group's in-flight rollouts and
@@ -411,6 +431,7 @@ class DraftSpec:
     model: Optional[ModelSpec] = None  # the small model for kind draft_model (or hf_path)
     ngram: NgramSpec = Field(default_factory=NgramSpec)
     history: HistorySpec = Field(default_factory=HistorySpec)  # kinds history and hybrid
+    block: BlockSpec = Field(default_factory=BlockSpec)  # kinds block and hybrid_block
 
     def __post_init__(self):
         kinds.check_draft(self)

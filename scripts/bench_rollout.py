@@ -42,12 +42,14 @@ import numpy as np
 
 from jaxspec.host import keep_freed_memory
 from jaxspec.decoding import SamplingConfig
+from jaxspec.decoding.block import BlockDrafter
 from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
 from jaxspec.decoding.protocols import DraftContext, Observation
 from jaxspec.decoding.verify import replay_noise
 from jaxspec.decoding.engine import decoding_policy, generate, pad_prompts
 from jaxspec.decoding.oracle import oracle_drafter
 from jaxspec.models import Policy, load_hf
+from jaxspec.models.block_formats import load_dflash
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
 from jaxspec.models.mtp import MTPHead
 from jaxspec.rl.tasks import CharTokenizer, make_task
@@ -55,7 +57,7 @@ from jaxspec.timing import interleaved, machine, median_ratio
 
 HELDOUT = 1_000_000  # task positions from here on are never used for training
 DRAFTERS = ("eagle3", "eagle3_argmax", "eagle3_untrained", "eagle3_tree", "ngram", "draft_model",
-            "draft_model_argmax", "mtp_untrained")
+            "draft_model_argmax", "mtp_untrained", "block", "block_argmax")
 
 
 def _parse(argv=None):
@@ -65,6 +67,10 @@ def _parse(argv=None):
     src.add_argument("--config", help="a config file whose tiny model (random weights) is the policy")
     p.add_argument("--eagle3", help="local EAGLE-3 head directory (vLLM/SGLang layout)")
     p.add_argument("--draft-model", help="local HF directory of a small draft model (same tokenizer)")
+    p.add_argument("--block", action="append", default=[],
+                   help="local block draft model directory (DFlash layout; train_draft.py "
+                        "draft.kind=block writes one); repeat for several (drafters block*: one "
+                        "row each, a k past a block's size - 1 skipped)")
     p.add_argument("--drafters", default="eagle3,ngram", help="comma list of " + ", ".join(DRAFTERS)
                    + " (eagle3_untrained: a fresh head over the same draft vocabulary, the control; "
                    "eagle3_argmax, draft_model_argmax: argmax drafts instead of draws coupled with "
@@ -257,6 +263,8 @@ def _drafter(name, k, args, policy, head, small):
         return Eagle3Drafter(head, tree=TreeSpec(top_k=top_k, depth=depth, budget=budget))
     if name == "ngram":
         return NGramDrafter(k=k, min_n=1, max_n=3)
+    if name in ("block", "block_argmax"):  # `head`: the block model (see main)
+        return BlockDrafter(head, k=k, coupled=name == "block")
     if name in ("draft_model", "draft_model_argmax"):
         return DraftModelDrafter(small, k=k, coupled=name == "draft_model")
     return MTPDrafter(MTPHead.init_for(policy, jax.random.key(1)), k=k)
@@ -292,6 +300,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"--drafters {unknown} unknown; valid: {list(DRAFTERS)}")
         if ({"eagle3", "eagle3_argmax", "eagle3_tree", "eagle3_untrained"} & set(names)) and not args.eagle3:
             raise SystemExit("--drafters eagle3/eagle3_tree/eagle3_untrained need --eagle3 DIR")
+        if {"block", "block_argmax"} & set(names) and not args.block:
+            raise SystemExit("--drafters block/block_argmax need --block DIR")
         if {"draft_model", "draft_model_argmax"} & set(names) and not args.draft_model:
             raise SystemExit("--drafters draft_model needs --draft-model DIR")
 
@@ -305,6 +315,7 @@ def main(argv=None) -> int:
     head = (load_eagle3(args.eagle3, target_num_layers=policy.config.num_layers)
             if args.eagle3 else None)
     small = load_hf(args.draft_model) if args.draft_model else None
+    blocks = [load_dflash(path) for path in args.block]
     sampling = SamplingConfig(temperature=args.temperature)
     key = jax.random.key(args.seed)
     plain_method = "replay" if args.method == "rejection" else args.method
@@ -332,14 +343,18 @@ def main(argv=None) -> int:
                 w, kv = decode_bytes(policy, batch, width + steps / 2)
                 plain_bound += steps * (w + kv) / (bandwidth * 1e9)
         cost = _verify_cost(policy, batch, width + longest // 2, ks, args.rounds)
-        for name in names:
+        runs = [(n, None) for n in names if not n.startswith("block")] + [
+            (n, b) for n in names if n.startswith("block") for b in blocks]
+        for name, block in runs:
             for k in ks if name != "eagle3_tree" else [None]:
+                if block is not None and k > block.config.block_size - 1:
+                    continue
                 if name == "oracle":
                     acc = oracle * k if len(oracle) == 1 else oracle[:k]
                     ds = [oracle_drafter(*g, p.tokens, acc, vocab_size=vocab, seed=args.seed)
                           for g, p in zip(groups, plains)]
                 else:
-                    ds = [_drafter(name, k, args, policy, head, small)] * len(groups)
+                    ds = [_drafter(name, k, args, policy, block or head, small)] * len(groups)
                 drafter = ds[0]
 
                 def run_spec(ds=ds, groups=groups, common=common):
@@ -363,7 +378,8 @@ def main(argv=None) -> int:
                 full_bound = tau / (c + draft)  # tau c(1) / (c(k+1) + c_draft), per iteration
                 plain_tokens = int(np.sum(plain_lengths))
                 rows.append(dict(
-                    drafter=name, k=k if k is not None else args.tree, batch=batch, calls=args.calls,
+                    drafter=name if block is None else f"{name}{block.config.block_size}",
+                    k=k if k is not None else args.tree, batch=batch, calls=args.calls,
                     acceptance=(acc if name == "oracle" else None),
                     tau=tau, acceptance_length=tau,
                     per_position_acceptance=[round(x, 4) for x in total.per_position_acceptance.tolist()],

@@ -207,7 +207,8 @@ def test_a_config_saved_by_an_earlier_version_still_loads():
     path = ROOT / "tests" / "data" / "config_saved_at_5503b03.yaml"
     saved = load_config(path, check_paths=False)
     assert saved == load_config(TINY, SAVED_OVERRIDES, check_paths=False)
-    added_since = {("run", "wandb"): None}
+    added_since = {("run", "wandb"): None,
+                   ("draft", "block"): C.to_dict(C.Config())["draft"]["block"]}
     written = C.to_dict(saved)
     for (section, key), default in added_since.items():
         assert written[section].pop(key) == default

@@ -1,6 +1,7 @@
 """Sampling, draft trees, lossless verification, drafters and the rollout engine."""
 
 from jaxspec.decoding.adaptive import AdaptiveK
+from jaxspec.decoding.block import BlockDrafter
 from jaxspec.decoding.costs import measure_costs
 from jaxspec.decoding.drafters import (
     DraftModelDrafter,
@@ -28,6 +29,7 @@ from jaxspec.decoding.verify import METHODS, Verdict, verify
 __all__ = [
     "METHODS",
     "AdaptiveK",
+    "BlockDrafter",
     "DraftContext",
     "DraftHead",
     "DraftModelDrafter",

@@ -22,7 +22,7 @@ x width x max_n comparisons), keeps the first `max_matches` matches (candidate o
 position), and merges their k-token continuations into a trie whose node score is the
 fraction of matches through it (a count). The best `budget` nodes form the draft tree.
 
-`HybridDrafter` puts the history trie and an EAGLE-3 chain into one tree: a head node's
+`HybridDrafter` puts the history trie and an EAGLE-3 (or block) chain into one tree: a head node's
 score is the chain's probability under the head (exp of the cumulative log-prob), a history
 node's the fraction of matches through it, both estimates of the chance the path is the
 continuation, so one top-`budget` selection serves both (a path both propose is one node).
@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decoding.block import BlockDrafter
 from jaxspec.decoding.drafters import Eagle3Drafter, ModelFreeDrafter
 from jaxspec.decoding.draws import pick_draft
 from jaxspec.decoding.history_index import (
@@ -154,10 +155,13 @@ class HistoryDrafter(ModelFreeDrafter):
         return select(tokens, parents, depths, scores, present, self.budget, self.k), None, state
 
 
-def _head_chain(head_drafter: Eagle3Drafter, state, policy, ctx: DraftContext):
+def _head_chain(head_drafter, state, policy, ctx: DraftContext):
     """The head's chain and its cumulative log-probs under the head: ([B, k] int32, [B, k]
     float32). Each draft is picked as `Eagle3Drafter` picks a chain's (`draws.pick_draft`):
-    coupled under replay, the Gumbel-max draw with the verifier's noise; else the argmax."""
+    coupled under replay, the Gumbel-max draw with the verifier's noise; else the argmax.
+    A `BlockDrafter` scores its one-forward chain itself."""
+    if isinstance(head_drafter, BlockDrafter):
+        return head_drafter.scored_chain(state, policy, ctx)
     head, cache, hidden = head_drafter.head, state.cache, state.last_hidden
     pos = ctx.lengths - 1
     tokens, logps, total = [], [], 0.0
@@ -229,7 +233,7 @@ def merge_chain(pool, chain_tokens, chain_scores, chain_present=None):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridState:
-    head: Any  # the EAGLE-3 chain drafter's state
+    head: Any  # the chain drafter's state (EAGLE-3 or block)
     tokens: jax.Array  # [B, N] int32 the last proposed tree (-1: none yet / absent)
     parents: jax.Array  # [B, N] int32
     source: jax.Array  # [B, N] int32 source bits of each node (HISTORY, HEAD)
@@ -243,7 +247,7 @@ class HybridState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridDrafter:
-    """One tree from the history trie and an EAGLE-3 chain, `budget` nodes scored on one
+    """One tree from the history trie and an EAGLE-3 or block chain, `budget` nodes scored on one
     scale (see the module docstring); the head's state and forwards are the chain's.
 
     `gate` (default True): the head runs only in iterations where some live row's history
@@ -262,7 +266,7 @@ class HybridDrafter:
     run.)"""
 
     history: HistoryDrafter
-    head: Eagle3Drafter  # a chain drafter (tree None)
+    head: Eagle3Drafter | BlockDrafter  # a chain drafter (EAGLE-3: tree None)
     budget: int = dataclasses.field(default=6, metadata=dict(static=True))
     gate: bool = dataclasses.field(default=True, metadata=dict(static=True))
     # gate: the ring's positions per row (None: max(16, max_depth + 1); at least max_depth + 1,
@@ -273,9 +277,10 @@ class HybridDrafter:
         if not isinstance(self.history, HistoryDrafter):
             raise TypeError(f"HybridDrafter.history must be a HistoryDrafter; got "
                             f"{type(self.history).__name__}")
-        if not isinstance(self.head, Eagle3Drafter) or self.head.tree is not None:
+        if not (isinstance(self.head, BlockDrafter)
+                or isinstance(self.head, Eagle3Drafter) and self.head.tree is None):
             raise TypeError("HybridDrafter.head must be an Eagle3Drafter drafting a chain "
-                            "(tree=None)")
+                            "(tree=None) or a BlockDrafter")
         _check_int("HybridDrafter", "budget", self.budget, self.head.k)
         if not isinstance(self.gate, bool):
             raise ValueError(f"HybridDrafter.gate must be True or False; got {self.gate!r}")

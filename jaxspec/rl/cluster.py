@@ -112,8 +112,8 @@ class Cluster:
 
     def restore_target(self, tree: dict) -> dict:
         """An abstract checkpoint tree (`RunState.tree()` shapes) with the training shardings
-        on its model and optimizer arrays (and the replicated ones on the run key and a
-        head's buffers), so a restore lands there whatever devices saved it."""
+        on its model and optimizer arrays (and the replicated ones on the run key, a head's
+        buffers and the history store), so a restore lands there whatever devices saved it."""
         mesh, rules = self.train_mesh, self.rules
         replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -125,6 +125,8 @@ class Cluster:
             if name in out:
                 out[name] = on_rules(out[name])
         out["key"] = parallel.restore_target(out["key"], replicated)
+        if "history" in out:
+            out["history"] = parallel.restore_target(out["history"], replicated)
         if "head" in out:
             head = out["head"]
             out["head"] = dataclasses.replace(

@@ -36,9 +36,13 @@ class DraftLearner:
         self.sampling, self.filtered = sampling, filtered
         self.log = log or logging.getLogger("jaxspec.rl").info
         self.optimizer = make_optimizer(cfg.draft_optim)
-        self.loss_cfg = DraftLossConfig(steps=cfg.draft.ttt_steps, decay=cfg.draft.ttt_decay,
-                                        chunk=cfg.grpo.logprob_chunk,
-                                        micro_batch=cfg.grpo.micro_batch)
+        head_kind = KINDS[cfg.draft.kind].head
+        if head_kind is not None and head_kind.loss_config is not None:
+            self.loss_cfg = head_kind.loss_config(cfg)
+        else:
+            self.loss_cfg = DraftLossConfig(steps=cfg.draft.ttt_steps, decay=cfg.draft.ttt_decay,
+                                            chunk=cfg.grpo.logprob_chunk,
+                                            micro_batch=cfg.grpo.micro_batch)
 
     def init_state(self, head):
         """A fresh optimizer state for the head's params."""
@@ -115,10 +119,16 @@ class DraftLearner:
         """The offline initialisation of an MTP head (scripts/train_draft.py, draft.kind
         mtp): a fresh head trained warmup.draft_steps steps of the online MTP update on the
         policy's own rollouts, as `init_head` does for EAGLE-3. Returns (head, opt_state)."""
+        return self.train_fresh(policy, MTPHead.init_for(policy, key), key, history=history)
+
+    def train_fresh(self, policy, head, key: jax.Array, *, ref_params=None,
+                    history: dict | None = None):
+        """`head` (new) trained warmup.draft_steps steps of the kind's online update on the
+        policy's own rollouts (the in-domain initialisation of the MTP and block models).
+        Returns (head, opt_state)."""
         start = time.perf_counter()
-        corpus, train_step = self._offline(policy, key, None)
+        corpus, train_step = self._offline(policy, key, ref_params)
         train_step, progress = self._with_progress(train_step, start)
-        head = MTPHead.init_for(policy, key)
         opt_state, steps = self.init_state(head), []
         with progress:
             for step in range(self.cfg.warmup.draft_steps):
@@ -179,7 +189,8 @@ class DraftLearner:
         if history is not None:
             history.update(draft=steps, draft_token_counts=corpus.token_counts)
         if steps:
-            acc = " ".join(f"{steps[-1][f'draft_acc_{s}']:.2f}" for s in range(self.loss_cfg.steps))
+            acc = " ".join(f"{steps[-1][f'draft_acc_{s}']:.2f}" for s in range(len(steps[-1]))
+                           if f"draft_acc_{s}" in steps[-1])
             self.log(f"draft init: {self.cfg.warmup.draft_rollouts} rollouts, {len(steps)} steps, "
                      f"loss {steps[0]['draft_loss']:.3f} -> {steps[-1]['draft_loss']:.3f}, "
                      f"acc/step [{acc}] ({time.perf_counter() - start:.1f}s)")

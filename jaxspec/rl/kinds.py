@@ -45,6 +45,8 @@ class HeadKind:
             script does not train this head.
         save: `(head, out_dir, *, policy, layout) -> None`: the head in its serving layout
             (`layout` None: the default one).
+        loss_config: `config -> loss settings` passed to `update` as `loss_cfg` (hashable);
+            None: the EAGLE-3 / MTP `rl.draft.DraftLossConfig` of draft.ttt_*.
     """
 
     name: str
@@ -54,6 +56,7 @@ class HeadKind:
     update: Callable[..., tuple[Any, Any, dict]]
     init_offline: Optional[Callable[..., tuple[Any, Any]]]
     save: Callable[..., None]
+    loss_config: Optional[Callable[[Any], Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +232,77 @@ MTP_HEAD = HeadKind(
     update=_update_mtp, init_offline=_init_mtp, save=_save_mtp)
 
 
+# block (DFlash / DSpark): jaxspec.models.block, jaxspec.rl.block_train
+
+def _block_head(d, policy, key):
+    """A fresh block model of the `draft.block` section's shape."""
+    from jaxspec.models.block import BlockHead
+
+    b = d.block
+    return BlockHead.init_for(policy, key, block_size=b.size, num_layers=b.layers,
+                              capture_layers=b.capture, mask_token_id=b.mask_token_id,
+                              markov_rank=b.markov_rank, confidence=b.confidence)
+
+
+def _build_block(learner, policy, *, resuming, ref_params=None, history=None):
+    """Loaded from draft.hf_path (the DFlash layout), the shapes a checkpoint restores into
+    (resuming), or fresh and trained offline (warmup.draft_steps) on the policy's rollouts."""
+    import jax
+
+    cfg = learner.cfg
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed), 1)  # the trainer's head key
+    if cfg.draft.hf_path is not None:
+        from jaxspec.models.block_formats import load_dflash
+
+        head = load_dflash(cfg.draft.hf_path, dtype=cfg.model.dtype,
+                           attention_backend=cfg.model.attention_backend)
+        head.check_compatible(policy)
+        return head, None
+    if resuming:
+        return jax.eval_shape(lambda: _block_head(cfg.draft, policy, key)), None
+    return learner.train_fresh(policy, _block_head(cfg.draft, policy, key), key,
+                               ref_params=ref_params, history=history)
+
+
+def _update_block(*args, **kwargs):
+    from jaxspec.rl.block_train import block_update
+
+    return block_update(*args, **kwargs)
+
+
+def _block_loss_config(cfg):
+    from jaxspec.rl.block_train import BlockLossConfig
+
+    b = cfg.draft.block
+    return BlockLossConfig(anchors=b.anchors, gamma=b.gamma, tv=b.tv, confidence=b.confidence_weight)
+
+
+def _save_block(head, out_dir: str, *, policy, layout=None) -> None:
+    from jaxspec.models.block_formats import save_dflash
+
+    save_dflash(head, out_dir, num_target_layers=policy.config.num_layers)
+
+
+def _inspect_block(d, model_config, dtype: str) -> None:
+    from jaxspec.models.block_formats import inspect_dflash
+
+    inspect_dflash(d.hf_path, model_config)
+
+
+BLOCK_HEAD = HeadKind(
+    name="block", draft_vocab=False, inspect=_inspect_block, build=_build_block,
+    update=_update_block,
+    init_offline=lambda learner, policy, seed: _build_block(learner, policy, resuming=False),
+    save=_save_block, loss_config=_block_loss_config)
+
+
+def _check_block(d) -> None:
+    most = d.block.size - 1
+    if d.k > most:
+        raise ConfigError("k", d.k, f"a block of draft.block.size={d.block.size} drafts "
+                          f"{most} tokens", f"an int in [1, {most}] (or a larger draft.block.size)")
+
+
 # ----------------------------------------------------------------------------- kinds
 
 register(DraftKind(
@@ -297,4 +371,35 @@ register(DraftKind(
     name="hybrid", make_drafter=_hybrid_drafter,
     headroom=lambda d: d.history.budget, deepest=_hybrid_depth,
     check=lambda d: _check_history(d, _hybrid_depth(d)[0]), head=EAGLE3_HEAD, history=True,
+    no_tree=" (its tree is draft.history.budget nodes)"))
+
+
+def _block_drafter(d, tree, *, head, **_):
+    from jaxspec.decoding.block import BlockDrafter
+
+    return BlockDrafter(head, k=d.k, coupled=d.coupled)
+
+
+register(DraftKind(
+    name="block", make_drafter=_block_drafter,
+    headroom=lambda d: d.k, deepest=lambda d: (d.k, "draft.k"), adaptive=True,
+    check=_check_block, head=BLOCK_HEAD,
+    no_tree=" (a block drafts one chain)"))
+
+
+def _hybrid_block_drafter(d, tree, *, head, history, groups, prompt_keys, **_):
+    return history_lib.HybridDrafter(
+        _history_drafter(d, history=history, groups=groups, prompt_keys=prompt_keys),
+        _block_drafter(d, None, head=head), budget=d.history.budget, gate=d.history.gate_head)
+
+
+def _check_hybrid_block(d) -> None:
+    _check_block(d)
+    _check_history(d, _hybrid_depth(d)[0])
+
+
+register(DraftKind(
+    name="hybrid_block", make_drafter=_hybrid_block_drafter,
+    headroom=lambda d: d.history.budget, deepest=_hybrid_depth,
+    check=_check_hybrid_block, head=BLOCK_HEAD, history=True,
     no_tree=" (its tree is draft.history.budget nodes)"))

@@ -12,12 +12,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxspec import parallel
 from jaxspec.decoding import drafters as drafters_lib
 from jaxspec.decoding import history as history_lib
 from jaxspec.decoding.engine import RolloutStats
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.metrics import StageTimer
-from jaxspec.rl.cluster import Cluster
+from jaxspec.rl.cluster import Cluster, host_arrays
 from jaxspec.rl.kinds import KINDS
 from jaxspec.rl.state import RunState
 
@@ -183,8 +184,9 @@ class RolloutWorker:
         repeated group_size times, as `prompts()` makes them) from the store `history`."""
         policy, head, draft_model = self.cluster.sync_weights(policy, head, draft_model)
         groups = keys = None
-        if history is not None:  # replicated on the generation devices
-            history = jax.device_put(history, NamedSharding(self.cluster.gen_mesh, PartitionSpec()))
+        if history is not None:  # replicated on the generation devices, from each host's copy
+            history = parallel.place(host_arrays(history),
+                                     NamedSharding(self.cluster.gen_mesh, PartitionSpec()))
         if prompts is not None:
             groups = np.arange(len(prompts)) // self.cfg.rollout.group_size
             keys = prompt_keys(prompts, lengths)
@@ -192,8 +194,9 @@ class RolloutWorker:
                                     history=history, groups=groups, prompt_keys=keys)
 
     def remember(self, history, prompts, lengths, tokens, gen_lengths):
-        """The store with this batch's rollouts (prompt + completion) added (history kinds);
-        None stays None."""
+        """The store with this batch's rollouts (prompt + completion) added (history kinds),
+        replicated over the training devices as the run's state is (every process adds the
+        same rows: the batch is all-gathered); None stays None."""
         if history is None:
             return None
         prompts, lengths = np.asarray(prompts), np.asarray(lengths)
@@ -202,7 +205,8 @@ class RolloutWorker:
         for i, (n, m) in enumerate(zip(lengths, gen_lengths)):
             seqs[i, :n] = prompts[i, :n]
             seqs[i, n:n + m] = tokens[i, :m]
-        return history.add(prompt_keys(prompts, lengths), seqs, lengths + gen_lengths)
+        return self.cluster.replicate(
+            history.add(prompt_keys(prompts, lengths), seqs, lengths + gen_lengths))
 
     def prompts(self, step: int):
         """The examples of `step` and their prompts, each repeated group_size times."""

@@ -27,7 +27,9 @@ class RunState:
     head: Any = None  # Eagle3Head (draft.kind eagle3)
     draft_opt_state: Any = None  # the head's optimizer state (online draft training)
     draft_model: Any = None  # Policy (draft.kind draft_model)
-    history: Any = None  # HistoryStore: earlier rollouts per prompt (draft.kind history, hybrid)
+    # HistoryStore: earlier rollouts per prompt (draft.kind history, hybrid), replicated on
+    # the training devices (the same on every process)
+    history: Any = None
     queue: list = dataclasses.field(default_factory=list)  # RolloutBatch of later steps (async)
     completed: int = 0
     collapsed_steps: int = 0  # consecutive steps below the acceptance-collapse threshold

@@ -216,8 +216,8 @@ class GRPOTrainer:
         history = None
         if kind.history:  # restored from the checkpoint when resuming
             h, r = cfg.draft.history, cfg.rollout
-            history = HistoryStore.empty(h.prompts, h.per_prompt,
-                                         r.max_prompt_len + r.max_new_tokens)
+            history = self.cluster.replicate(HistoryStore.empty(
+                h.prompts, h.per_prompt, r.max_prompt_len + r.max_new_tokens))
         key = self.cluster.replicate(jax.random.key(cfg.run.seed))  # multi-process: global
         return RunState(policy=policy, opt_state=opt_state, key=key,
                         ref_params=ref_params, ref_saved=ref_saved, head=head,

@@ -1,6 +1,6 @@
 """One process of the multi-process GRPO test (tests/rl/test_multiprocess_grpo.py).
 
-    python -m jaxspec.testing.multiprocess_grpo PROCESS_ID NUM_PROCESSES PORT WORKDIR MODE
+    python -m jaxspec.testing.multiprocess_grpo PROCESS_ID NUM_PROCESSES PORT WORKDIR MODE [KEY=VALUE ...]
 
 with DEVICES CPU devices in every process (the launcher sets XLA_FLAGS), of which the run
 uses the first DEVICES / NUM_PROCESSES: XLA on CPU rounds a one-device program (the
@@ -17,15 +17,22 @@ logprob stage, policy and online draft updates, a checkpoint after every step):
   there together (faults.StopSignals agrees on it), then a new trainer resumes from the
   checkpoint they wrote and runs the last step.
 
-After every step each process gathers the state (policy, optimizer, head, draft optimizer)
-to the host; process 0 writes them, the generated batches and the metrics rows of
+KEY=VALUE are config overrides on top of the test's (e.g. draft.kind=history,
+tests/rl/test_multiprocess_history.py). After every step each process gathers the state
+(policy, optimizer, and the head, draft optimizer and history store where the run has
+them) to the host; process 0 writes them, the generated batches and the metrics rows of
 metrics.jsonl to WORKDIR/MODE.npz.
+
+The launching side (`launch`, `wait`) and the comparison of the two runs
+(`assert_two_equal_one`) are here too, for the tests that run this worker.
 """
 
 import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
 
@@ -46,6 +53,8 @@ OVERRIDES = [
     "warmup.draft_steps=4", "run.save_every=1", "run.compare_plain=2",
     "mesh.rules.vocab=null", "optim.eps=1.0e-5", "draft_optim.eps=1.0e-5", *MESH,
 ]
+TIMEOUT_S = 300  # for the runs of one comparison together
+TIMING = ("time/", "share/", "generation_time_s", "generation_plain_time_s", "generation_speedup")
 
 
 def state_arrays(trainer) -> dict:
@@ -58,7 +67,8 @@ def state_arrays(trainer) -> dict:
     s = trainer.state
     out = {}
     for name, tree in (("policy", s.policy.params), ("opt", s.opt_state),
-                       ("head", s.head.params), ("draft_opt", s.draft_opt_state)):
+                       ("head", s.head and s.head.params), ("draft_opt", s.draft_opt_state),
+                       ("history", s.history)):
         for i, x in enumerate(jax.tree.leaves(host_arrays(tree))):
             out[f"{name}_{i}"] = np.asarray(x)
     return out
@@ -89,7 +99,8 @@ def resume_here(workdir: str, config, devices, out: dict) -> None:
     out[f"r{STEPS}_tokens"] = trainer.last_batch.tokens
 
 
-def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str) -> None:
+def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str,
+         *overrides: str) -> None:
     if num_processes > 1:  # as a SLURM / ssh launch would set them (docs/scaling.md)
         os.environ.update(JAXSPEC_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                           JAXSPEC_NUM_PROCESSES=str(num_processes),
@@ -120,12 +131,14 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
             for k, v in state_arrays(trainer).items():
                 out[f"s{step}_{k}"] = v
             b = trainer.last_batch
-            batches.append({"tokens": b.tokens, "lengths": b.lengths,
+            batches.append({"prompts": b.prompts, "prompt_lengths": b.prompt_lengths,
+                            "tokens": b.tokens, "lengths": b.lengths,
                             "gen_logprobs": b.gen_logprobs, "accepted_at": b.stats.accepted_at})
         return record
 
     def config(steps, *extra):
-        return load_config(TINY, OVERRIDES + [f"run.dir={run_dir}", f"run.steps={steps}", *extra])
+        return load_config(TINY, [*OVERRIDES, *overrides, f"run.dir={run_dir}",
+                                  f"run.steps={steps}", *extra])
 
     lines = []
     log = lines.append
@@ -170,5 +183,113 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
         jax.distributed.shutdown()
 
 
+# --------------------------------------------------------------------------- the launching side
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(devices: int) -> dict:
+    """This process's environment for a worker with `devices` CPU devices, without any
+    launcher's variables (SLURM's, MPI's, JAXSPEC_*)."""
+    from jaxspec.testing.compile import subprocess_env
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR", "JAXSPEC_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    return subprocess_env(env)  # compiling as this process does, with the suite's cache
+
+
+def launch(workdir, num_processes: int, mode: str, *overrides: str) -> list[subprocess.Popen]:
+    """The processes of one run of this worker (their output piped, for `wait`)."""
+    port = free_port()
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxspec.testing.multiprocess_grpo", str(i),
+             str(num_processes), str(port), str(workdir), mode, *overrides],
+            env=child_env(DEVICES), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(num_processes)
+    ]
+
+
+def wait(procs: list[tuple[str, subprocess.Popen]], returncode: int = 0) -> dict[str, str]:
+    """Wait for every process (bounded by TIMEOUT_S): {name: its output}. On a time-out or
+    another exit code than `returncode`, fail the test with their logs."""
+    import pytest
+
+    deadline = time.monotonic() + TIMEOUT_S
+    outputs = {}
+    try:
+        for name, proc in procs:
+            outputs[name] = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        for _, proc in procs:
+            proc.kill()
+        logs = [f"{name}:\n{proc.communicate()[0][-3000:]}" for name, proc in procs]
+        pytest.fail(f"the runs timed out after {TIMEOUT_S}s:\n" + "\n---\n".join(logs))
+    failed = [f"{name} exited {proc.returncode}:\n{outputs[name][-4000:]}"
+              for name, proc in procs if proc.returncode != returncode]
+    assert not failed, "\n---\n".join(failed)
+    return outputs
+
+
+def run_both(workdir, *overrides: str) -> tuple[dict, dict]:
+    """The two-process run (MODE resume) and the one-process run (MODE straight) at once:
+    (the two-process results, the one-process results), as saved."""
+    procs = [(f"two processes, process {i}", p)
+             for i, p in enumerate(launch(workdir, 2, "resume", *overrides))]
+    procs.append(("one process", launch(workdir, 1, "straight", *overrides)[0]))
+    wait(procs)
+    with np.load(os.path.join(workdir, "resume.npz")) as two, \
+            np.load(os.path.join(workdir, "straight.npz")) as one:
+        return dict(two), dict(one)
+
+
+def metric_rows(results) -> list[dict]:
+    """A run's metrics.jsonl rows without the timings."""
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING)}
+            for row in json.loads(str(results["metrics"]))]
+
+
+def assert_two_equal_one(two: dict, one: dict) -> None:
+    """The two-process run equals the one-process run on the same mesh (data across the
+    processes): every step's tokens, lengths and accepted drafts identical, generation
+    log-probs, state arrays and non-timing metrics within 1e-5 (relative above 1: the
+    tolerances of tests/parallel/test_train_step.py)."""
+    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 2])
+    np.testing.assert_array_equal(one["mesh_shape"], [2, 1, 2])
+    np.testing.assert_array_equal(two["mesh_processes"], [[[0, 0]], [[1, 1]]])  # data across
+    np.testing.assert_array_equal(one["mesh_processes"], np.zeros((2, 1, 2)))
+    for step in range(1, STEPS + 1):
+        for k in ("tokens", "lengths", "accepted_at"):
+            np.testing.assert_array_equal(two[f"b{step}_{k}"], one[f"b{step}_{k}"], err_msg=(step, k))
+        np.testing.assert_allclose(two[f"b{step}_gen_logprobs"], one[f"b{step}_gen_logprobs"],
+                                   rtol=0, atol=1e-5)
+        keys = [k for k in one if k.startswith(f"s{step}_")]
+        assert keys and sorted(keys) == sorted(k for k in two if k.startswith(f"s{step}_"))
+        for k in keys:
+            np.testing.assert_allclose(two[k], one[k], rtol=0, atol=1e-5, err_msg=k)
+    rows_two, rows_one = metric_rows(two), metric_rows(one)
+    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2, 3]
+    for got, want in zip(rows_two, rows_one, strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), (got["step"], key, got[key], value)
+
+
+def assert_resumed_here(one: dict) -> None:
+    """The one-process run's resume of the two-process checkpoint of step STEPS - 1
+    (`resume_here`) made the same last step as its own straight run."""
+    np.testing.assert_array_equal(one[f"r{STEPS}_tokens"], one[f"b{STEPS}_tokens"])
+    keys = [k for k in one if k.startswith(f"s{STEPS}_")]
+    assert len(keys) == sum(k.startswith(f"r{STEPS}_") for k in one) - 1
+    for k in keys:
+        np.testing.assert_allclose(one["r" + k[1:]], one[k], rtol=0, atol=1e-5, err_msg=k)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

@@ -92,6 +92,19 @@ class Killed(Exception):
     """Raised from a run's on_step callback: the run stops there, as a SIGKILL would leave it."""
 
 
+def kill_after(trainer, step: int) -> None:
+    """Run `trainer` and stop it right after `step` (its checkpoint of that step written),
+    as a SIGKILL would leave it."""
+    import pytest
+
+    def kill(done, row):
+        if done == step:
+            raise Killed
+
+    with pytest.raises(Killed):
+        trainer.run(on_step=kill)
+
+
 def rows(run_dir):
     """The rows of run_dir/metrics.jsonl without their wall-clock entries (TIMING)."""
     with open(run_dir / "metrics.jsonl") as fh:

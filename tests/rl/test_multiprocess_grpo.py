@@ -15,12 +15,8 @@ drafts identical, generation log-probs within 1e-5, non-timing metrics within 1e
 """
 
 import json
-import os
-import pathlib
-import socket
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -28,96 +24,20 @@ import pytest
 
 from jaxspec.checkpoint import CheckpointManager
 from jaxspec.models import load_hf
-from jaxspec.testing import ROOT
 from jaxspec.testing import multiprocess_grpo as worker
-from jaxspec.testing.compile import subprocess_env
-
-TIMEOUT_S = 300  # for both runs together
-TIMING = ("time/", "share/", "generation_time_s", "generation_plain_time_s", "generation_speedup")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(devices: int) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR", "JAXSPEC_"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    return subprocess_env(env)  # compiling as this process does, with the suite's cache
-
-
-def launch(workdir: pathlib.Path, num_processes: int, mode: str) -> list[subprocess.Popen]:
-    port = free_port()
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", worker.__name__, str(i), str(num_processes),
-             str(port), str(workdir), mode],
-            env=child_env(worker.DEVICES), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
-        for i in range(num_processes)
-    ]
-
-
-def wait(procs: list[tuple[str, subprocess.Popen]], returncode: int = 0) -> dict[str, str]:
-    """Wait for every process (bounded): {name: its output}. On a time-out or another exit
-    code than `returncode`, fail with their logs."""
-    deadline = time.monotonic() + TIMEOUT_S
-    outputs = {}
-    try:
-        for name, proc in procs:
-            outputs[name] = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-    except subprocess.TimeoutExpired:
-        for _, proc in procs:
-            proc.kill()
-        logs = [f"{name}:\n{proc.communicate()[0][-3000:]}" for name, proc in procs]
-        pytest.fail(f"the runs timed out after {TIMEOUT_S}s:\n" + "\n---\n".join(logs))
-    failed = [f"{name} exited {proc.returncode}:\n{outputs[name][-4000:]}"
-              for name, proc in procs if proc.returncode != returncode]
-    assert not failed, "\n---\n".join(failed)
-    return outputs
+from jaxspec.testing.multiprocess_grpo import metric_rows
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(workdir, the two-process results, the one-process results); the runs overlap."""
     workdir = tmp_path_factory.mktemp("multiprocess_grpo")
-    procs = [(f"two processes, process {i}", p) for i, p in enumerate(launch(workdir, 2, "resume"))]
-    procs.append(("one process", launch(workdir, 1, "straight")[0]))
-    wait(procs)
-    with np.load(workdir / "resume.npz") as two, np.load(workdir / "straight.npz") as one:
-        return workdir, dict(two), dict(one)
-
-
-def metric_rows(results) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(TIMING)}
-            for row in json.loads(str(results["metrics"]))]
+    return workdir, *worker.run_both(workdir)
 
 
 def test_two_processes_equal_one_process(runs):
     _, two, one = runs
-    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 2])
-    np.testing.assert_array_equal(one["mesh_shape"], [2, 1, 2])
-    np.testing.assert_array_equal(two["mesh_processes"], [[[0, 0]], [[1, 1]]])  # data across
-    np.testing.assert_array_equal(one["mesh_processes"], np.zeros((2, 1, 2)))
-    for step in range(1, worker.STEPS + 1):
-        for k in ("tokens", "lengths", "accepted_at"):
-            np.testing.assert_array_equal(two[f"b{step}_{k}"], one[f"b{step}_{k}"], err_msg=(step, k))
-        np.testing.assert_allclose(two[f"b{step}_gen_logprobs"], one[f"b{step}_gen_logprobs"],
-                                   rtol=0, atol=1e-5)
-        keys = [k for k in one if k.startswith(f"s{step}_")]
-        assert keys and sorted(keys) == sorted(k for k in two if k.startswith(f"s{step}_"))
-        for k in keys:
-            np.testing.assert_allclose(two[k], one[k], rtol=0, atol=1e-5, err_msg=k)
-    rows_two, rows_one = metric_rows(two), metric_rows(one)
-    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2, 3]
-    for got, want in zip(rows_two, rows_one, strict=True):
-        assert got.keys() == want.keys()
-        for key, value in want.items():
-            assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), (got["step"], key, got[key], value)
+    worker.assert_two_equal_one(two, one)
 
 
 def test_the_runs_train_and_speculate(runs):
@@ -167,15 +87,15 @@ def test_the_script_joins_the_processes_of_a_launch(tmp_path):
     """scripts/train_grpo.py joins a run through the JAXSPEC_* variables (as srun's SLURM_*
     would) before anything touches a device: two processes of 2 CPU devices see the run's
     4, which a mesh of 6 devices names in its error (exit 2, before any compilation)."""
-    port = free_port()
-    env = child_env(2)
+    port = worker.free_port()
+    env = worker.child_env(2)
     env.update(JAXSPEC_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAXSPEC_NUM_PROCESSES="2")
-    script = ROOT / "scripts" / "train_grpo.py"
+    script = worker.ROOT / "scripts" / "train_grpo.py"
     procs = [(f"process {i}", subprocess.Popen(
         [sys.executable, str(script), str(worker.TINY), f"run.dir={tmp_path}", "mesh.data=6"],
         env={**env, "JAXSPEC_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)) for i in range(2)]
-    for output in wait(procs, returncode=2).values():
+    for output in worker.wait(procs, returncode=2).values():
         assert "error: config key 'mesh'" in output and "but there are 4" in output, output
 
 
@@ -183,9 +103,4 @@ def test_one_process_resumes_the_two_process_checkpoint(runs):
     """The checkpoint of step 2 that two processes wrote resumes in one process (a topology
     it was not saved on: `jaxspec.testing.multiprocess_grpo.resume_here`), and its step 3 equals the
     one-process run's."""
-    _, _, one = runs
-    np.testing.assert_array_equal(one["r3_tokens"], one["b3_tokens"])
-    keys = [k for k in one if k.startswith("s3_")]
-    assert len(keys) == sum(k.startswith("r3_") for k in one) - 1
-    for k in keys:
-        np.testing.assert_allclose(one["r" + k[1:]], one[k], rtol=0, atol=1e-5, err_msg=k)
+    worker.assert_resumed_here(runs[2])
