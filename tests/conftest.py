@@ -6,11 +6,18 @@ import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAXSPEC_TEST_PLATFORMS", "cpu"))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The suite's processes compile cheaply (jaxspec.testing.compile): XLA:CPU's older fusion
+# emitters, a flag XLA reads when its backend starts, so before anything runs on it; the
+# modules listed in AS_USERS run compiled as users compile, in a process of their own
+# (tests/test_compiled_as_users.py sets JAXSPEC_TEST_COMPILES=users there).
+_AS_USERS_RUN = os.environ.get("JAXSPEC_TEST_COMPILES") == "users"
+if not _AS_USERS_RUN and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxspec.testing.compile import use_cheap_compiles  # noqa: E402
+from jaxspec.testing.compile import AS_USERS, use_cheap_compiles  # noqa: E402
 
 # One cache shared by the pytest-xdist workers (`-n 2`) and the subprocesses tests launch (they
 # inherit the environment): a program one worker compiled is a cache read for the other. JAX
@@ -25,12 +32,16 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Compile time dominates the suite, so test programs compile cheaply (jaxspec.testing.compile:
-# JAX's public jax_disable_most_optimizations). Modules that compile as users do: those
-# asserting bitwise equalities of the production numerics, and test_joint_law, whose
-# 2^20-rollout chi-square runs outweigh its compiles. Subprocesses that tests compare against
-# compile as the test does (jaxspec.testing.compile.subprocess_env).
-_FULL_OPTIMISATION = ("test_batch_invariant", "test_reuse_logprobs", "test_joint_law")
+# Compile time dominates the suite, so test programs compile cheaply
+# (jaxspec.testing.compile: JAX's public jax_disable_most_optimizations and the emitter flag
+# above), except the AS_USERS modules, which assert bitwise equalities of the production
+# numerics (and test_joint_law, whose 2^20-rollout chi-square runs outweigh its compiles).
+# Subprocesses that tests compare against compile as the test does
+# (jaxspec.testing.compile.subprocess_env; XLA_FLAGS is inherited).
+
+
+def _as_users(module_path: str) -> bool:
+    return any(pathlib.Path(module_path).as_posix().endswith(m) for m in AS_USERS)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,8 +52,7 @@ def _release_executables(request):
     (~600 tests) passed Linux's default vm.max_map_count (65,530) and crashed inside XLA
     (SIGSEGV writing the compilation cache, SIGABRT compiling). The persistent cache makes
     a later module's recompile of a shared function a cache read."""
-    full = any(name in request.module.__name__ for name in _FULL_OPTIMISATION)
-    use_cheap_compiles(not full)
+    use_cheap_compiles(not _as_users(str(request.path)))
     yield
     jax.clear_caches()
     gc.collect()
@@ -60,6 +70,7 @@ def _has_gpu() -> bool:
 # workers in collection order, so a long file never starts last while the other worker runs
 # out of work (xdist's default order, by number of tests, put most of these at the end).
 LONGEST_FIRST = (
+    "tests/test_compiled_as_users.py",  # the AS_USERS modules, one process beside the suite
     "tests/decoding/test_adaptive.py",
     "tests/decoding/test_cache_growth.py",
     "tests/rl/test_faults.py",
@@ -67,8 +78,7 @@ LONGEST_FIRST = (
     "tests/rl/test_multiprocess_grpo.py",
     "tests/decoding/test_oracle.py",
     "tests/rl/test_trainer.py",
-    "tests/rl/test_reuse_logprobs.py",
-    "tests/decoding/test_batch_invariant.py",
+    "tests/rl/test_multiprocess_history.py",
     "tests/rl/test_real_config.py",
     "tests/rl/test_adaptive_k_run.py",
     "tests/rl/test_mtp_training.py",
@@ -80,6 +90,12 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+    if not _AS_USERS_RUN:
+        here = pytest.mark.skip(reason="compiled as users compile, in tests/test_compiled_as_users.py's "
+                                       "process (run here with JAXSPEC_TEST_COMPILES=users)")
+        for item in items:
+            if _as_users(str(item.path)):
+                item.add_marker(here)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run with JAXSPEC_TEST_PLATFORMS=cuda on one")

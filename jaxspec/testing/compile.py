@@ -1,16 +1,35 @@
-"""Cheap compiles for tests, through JAX's public `jax_disable_most_optimizations` flag, and
-the environment that gives a subprocess the same compiles (numbers compared across processes
-then come from the same kind of executable).
+"""Cheap compiles for tests, through JAX's public `jax_disable_most_optimizations` flag and
+XLA's documented `XLA_FLAGS` (`--xla_cpu_use_fusion_emitters=false`: XLA:CPU's older
+elemental emitters for fused loops), and the environment that gives a subprocess the same
+compiles (numbers compared across processes then come from the same kind of executable).
 
 Cheap: XLA without its expensive optimisation passes (backend optimisation level 0, LLVM's
-expensive passes off). The flag is part of the persistent compilation cache's key, so a
-cheap executable is never served to a full compile, nor the reverse.
+expensive passes off) and without the MLIR fusion emitters: together about half the compile
+CPU of a module (tests/decoding/test_engine.py: 93 s -> 47 s on 2 cores of an AMD EPYC).
+Both are part of the persistent compilation cache's key, so a cheap executable is never
+served to a full compile, nor the reverse.
+
+AS_USERS: the test modules that assert bitwise equalities of the production numerics (and
+test_joint_law, whose 2^20-rollout chi-square runs outweigh its compiles). They run compiled
+as users compile (default XLA flags, full optimisation) in a pytest process of their own,
+which tests/test_compiled_as_users.py starts with `JAXSPEC_TEST_COMPILES=users`; the
+emitter flag is read once, when XLA's CPU backend starts, so one process cannot hold both.
 """
 
 import os
 
 import jax
 
+AS_USERS = (
+    "tests/decoding/test_batch_invariant.py",
+    "tests/decoding/test_joint_law.py",
+    "tests/kernels/test_batch_invariant_dot.py",
+    "tests/models/test_layer_loop.py",
+    "tests/rl/test_batch_invariant_logprobs.py",
+    "tests/rl/test_reuse_logprobs.py",
+)
+AS_USERS_ENV = "JAXSPEC_TEST_COMPILES"  # "users" in the process that runs AS_USERS
+CHEAP_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
 _ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # the flag's environment variable (read at import)
 _cheap = [os.environ.get(_ENV, "").lower() in ("1", "true")]
 
