@@ -207,7 +207,11 @@ def test_a_config_saved_by_an_earlier_version_still_loads():
     path = ROOT / "tests" / "data" / "config_saved_at_5503b03.yaml"
     saved = load_config(path, check_paths=False)
     assert saved == load_config(TINY, SAVED_OVERRIDES, check_paths=False)
-    added_since = {("run", "wandb"): None}
+    added_since = {("run", "wandb"): None, ("model", "num_experts"): 0,
+                   ("model", "num_experts_per_tok"): 0, ("model", "moe_intermediate_size"): 0,
+                   ("model", "norm_topk_prob"): False, ("model", "decoder_sparse_step"): 1,
+                   ("model", "mlp_only_layers"): [], ("model", "shared_expert_intermediate_size"): 0,
+                   ("model", "expert_backend"): "ragged"}
     written = C.to_dict(saved)
     for (section, key), default in added_since.items():
         assert written[section].pop(key) == default
