@@ -12,6 +12,7 @@ import optax
 
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models import Policy
+from jaxspec.models.moe import load_balancing_loss, router_z_loss
 from jaxspec.rl import chunked
 from jaxspec.rl.chunked import lm_head, token_logprobs
 from jaxspec.rl.draft import TargetHead, draft_train_step, mtp_train_step
@@ -173,16 +174,24 @@ def policy_update(
     data = jax.tree.map(lambda x: x.reshape((minibatches, -1) + x.shape[1:]), data)
     micro = _micro(data["tokens"].shape[1], grpo_cfg.micro_batch)
 
+    moe = policy.config.is_moe
+
     def loss_fn(params, mb, denominator=None):
         current = policy.replace(params=params)
-        hidden, _, _ = current.forward(mb["tokens"], mb["positions"], head=False)
+        hidden, _, _, *routing = current.forward(mb["tokens"], mb["positions"], head=False,
+                                                 routing=moe)
         lp, entropy = _token_logprobs(current, hidden, mb["tokens"], sampling, filtered,
                                       grpo_cfg.logprob_chunk)
         # without a scoring forward (reused generation log-probs) the training forward's
         # entropy is logged: at the first minibatch the same params, so the same values
-        return grpo_loss(lp, mb["logprobs"], mb.get("ref_logprobs"), mb["advantages"],
-                         mb["mask"], grpo_cfg, gen_logprobs=mb["gen_logprobs"],
-                         entropy=mb.get("entropy", entropy), denominator=denominator)
+        loss, metrics = grpo_loss(lp, mb["logprobs"], mb.get("ref_logprobs"), mb["advantages"],
+                                  mb["mask"], grpo_cfg, gen_logprobs=mb["gen_logprobs"],
+                                  entropy=mb.get("entropy", entropy), denominator=denominator)
+        if moe:  # each micro-batch adds its share (rows) of the router losses
+            share = 1.0 if denominator is None else micro / data["tokens"].shape[1]
+            loss, metrics = _router_losses(loss, metrics, routing[0], mb["positions"] >= 0,
+                                           policy.config, grpo_cfg, share)
+        return loss, metrics
 
     def grad_fn(params, mb):
         if not micro:
@@ -220,6 +229,21 @@ def policy_update(
     params, opt_state = _keep_if_finite(flags, (params, new_opt_state), (policy.params, opt_state))
     out.update({k: f for k, f in zip(FINITE_KEYS, flags, strict=True)})
     return policy.replace(params=params), opt_state, out
+
+
+def _router_losses(loss, metrics, routing, tokens, config, grpo_cfg, share):
+    """The GRPO loss plus router_aux_coef x the load-balancing loss and router_z_coef x the
+    z-loss over the forward's real tokens (`tokens` [B, T] bool); both logged."""
+    aux = load_balancing_loss(routing["router_logits"], config.num_experts_per_tok,
+                              config.sparse_layers, tokens)
+    z = router_z_loss(routing["router_logits"], config.sparse_layers, tokens)
+    if grpo_cfg.router_aux_coef > 0:
+        loss = loss + share * grpo_cfg.router_aux_coef * aux
+    if grpo_cfg.router_z_coef > 0:
+        loss = loss + share * grpo_cfg.router_z_coef * z
+    metrics = dict(metrics, loss=jax.lax.stop_gradient(loss), router_aux_loss=
+                   jax.lax.stop_gradient(aux), router_z_loss=jax.lax.stop_gradient(z))
+    return loss, metrics
 
 
 def _combine_micro(metrics: dict) -> dict:
