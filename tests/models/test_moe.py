@@ -51,26 +51,26 @@ def hf(tmp_path_factory):
         model.save_pretrained(path)
         ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
-            res = model(ids, output_router_logits=True)
+            res = model(ids, output_router_logits=True, output_hidden_states=True)
         out[variant] = (path, model, ids, res)
     return out
 
 
-def _forward(policy, ids):
-    tokens = jnp.asarray(ids.numpy(), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return policy.forward(tokens, positions, routing=True)
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_and_routing_match_transformers(hf, variant):
+def test_logits_hidden_states_and_routing_match_transformers(hf, variant):
     path, _, ids, res = hf[variant]
     policy = load_hf(path, dtype="float32")
     cfg = policy.config
     assert cfg.family == "qwen3_moe" and cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
     assert cfg.sparse_layers == {"sparse": (True, True),
                                  "mixed": (False, False, False, True)}[variant]
-    logits, _, _, routing = _forward(policy, ids)
+    tokens = jnp.asarray(ids.numpy(), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(SEQ, dtype=jnp.int32), tokens.shape)
+    layers = tuple(range(cfg.num_layers - 1))  # what an EAGLE-3 head captures: layer outputs
+    logits, captured, _, routing = policy.forward(tokens, positions, capture=layers, routing=True)
+    for i in layers:  # HF's hidden_states[i + 1] is layer i's output (before the final norm)
+        np.testing.assert_allclose(np.asarray(captured[i]), res.hidden_states[i + 1].numpy(),
+                                   atol=1e-5, rtol=0)
     ref = res.logits.numpy()
     assert np.abs(ref).max() > 1.0  # a tolerance on O(1) logits means something
     np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-5, rtol=0)
