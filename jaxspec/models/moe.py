@@ -8,12 +8,18 @@ dtype, as transformers does. Each chosen expert is a SwiGLU MLP of width
 `moe_intermediate_size`; the outputs are summed with those weights. An optional shared
 expert (Qwen2-MoE style) runs for every token, gated by sigmoid(x @ w_gate).
 
-Expert backends (`ModelConfig.expert_backend`):
+Expert paths. A forward of N tokens with N * top-k <= E (a decode or a small verify) gathers
+the chosen experts' weights and applies them per token: it reads only the experts a token
+picked, which is what a memory-bound decode step should cost. Larger forwards take
+`ModelConfig.expert_backend`:
 - "ragged": the token-expert assignments sorted by expert, each projection one grouped
-  matmul over the groups (`jax.lax.ragged_dot`), results put back in (token, slot) order:
-  FLOPs follow the assignments, not the experts;
+  matmul over the groups (`jax.lax.ragged_dot`), results put back in (token, slot) order.
+  Its FLOPs follow the assignments where XLA lowers ragged_dot to a grouped GEMM (TPU;
+  cuDNN on GPU behind an XLA flag); XLA's default lowering (CPU, GPU without the flag)
+  expands it into zero-padded per-expert products, E / top-k times the FLOPs, and on this
+  CPU it is slower than "dense" (docs/BENCHMARKS.md);
 - "dense": every expert over every token, the unchosen ones weighted 0 (E / top-k times the
-  FLOPs): the reference the tests compare the grouped path with.
+  FLOPs): the reference the tests compare the grouped path with, and the faster one on CPU.
 With `batch_invariant` every product is a per-row `tree_sum` over the gathered expert's
 weights (jaxspec.kernels.invariant), so a token's output never depends on the other tokens
 routed with it (a grouped matmul's tiling does: the group sizes change with the batch).
@@ -92,6 +98,8 @@ class MoE(nnx.Module):
         cfg = self.config
         if cfg.batch_invariant:
             out = self._invariant(flat, weights, experts)
+        elif flat.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts:
+            out = self._gathered(flat, weights, experts)  # decode-sized: read only the chosen
         elif cfg.expert_backend == "dense":
             out = self._dense(flat, weights, experts)
         else:
@@ -120,6 +128,16 @@ class MoE(nnx.Module):
         up = jax.lax.ragged_dot(xs, self.up_proj[...], sizes)
         ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], sizes)  # [N*K, H]
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
+        return jnp.sum(y * weights[..., None], axis=1)
+
+    def _gathered(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]
+        """Each assignment's expert weights gathered and applied per row: the weights read
+        are the chosen experts' only, which is what a decode or verify forward of a few
+        tokens should cost (N * K <= E; a grouped matmul in XLA's default lowering reads
+        and multiplies every expert's)."""
+        gate = jnp.einsum("nh,nkhi->nki", x, self.gate_proj[...][experts])
+        up = jnp.einsum("nh,nkhi->nki", x, self.up_proj[...][experts])
+        y = jnp.einsum("nki,nkih->nkh", jax.nn.silu(gate) * up, self.down_proj[...][experts])
         return jnp.sum(y * weights[..., None], axis=1)
 
     def _dense(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]

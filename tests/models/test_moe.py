@@ -161,6 +161,25 @@ def test_ragged_experts_equal_dense_experts_with_gradients(shared):
     assert np.abs(np.asarray(expert_grad)).max() > 0  # the experts learn through the grouped path
 
 
+def test_gathered_experts_equal_dense_experts():
+    """The decode-sized path (N * top-k <= E: each token's chosen experts' weights gathered)
+    against every expert over every token, with the same routing."""
+    cfg = _moe_config(num_experts=8, num_experts_per_tok=2)
+    moe = random_policy(cfg, seed=5).module.layers  # stacked layers; take layer 0's MoE
+    from flax import nnx
+
+    layer_def, stacked = nnx.split(moe)
+    layer = nnx.merge(layer_def, jax.tree.map(lambda a: a[0], stacked))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 32)), jnp.float32)
+    _, weights, experts = layer.moe.route(x)
+    np.testing.assert_allclose(np.asarray(layer.moe._gathered(x, weights, experts)),
+                               np.asarray(layer.moe._dense(x, weights, experts)),
+                               atol=1e-6, rtol=1e-6)
+    out, _, _ = layer.moe(x[None, :3])  # 3 tokens x top-2 <= 8 experts: the gathered path
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(
+        layer.moe._dense(x[:3], weights[:3], experts[:3])), atol=1e-6, rtol=1e-6)
+
+
 def _np_softmax(z):
     z = z - z.max(-1, keepdims=True)
     return np.exp(z) / np.exp(z).sum(-1, keepdims=True)

@@ -64,3 +64,66 @@ def test_router_losses_enter_the_grpo_update():
 def test_bad_router_coefficient_is_one_config_error():
     with pytest.raises(ConfigError, match=r"grpo.router_aux_coef.*-0.1.*>= 0"):
         load_config(None, ["grpo.router_aux_coef=-0.1"])
+
+
+def _moe_policy(**kw):
+    cfg = ModelConfig.tiny("qwen3_moe", num_layers=2, hidden_size=32, num_heads=2,
+                           num_kv_heads=1, head_dim=16, moe_intermediate_size=16, **kw)
+    return random_policy(cfg, seed=4)
+
+
+@pytest.mark.parametrize("case", ["eagle3_tree", "ngram_slots_grown", "bf16_invariant"])
+def test_rollouts_record_the_experts_of_the_forward_that_fed_each_token(case):
+    """Rollouts.routes holds, for every generated token but the last, the experts the
+    generation forward routed it to: here (float32 on this CPU) the training forward's own,
+    row by row, through verify blocks (a tree), refilled slots and a grown cache, and in
+    bfloat16 under model.batch_invariant (equal by construction); -1 where no forward fed the
+    token. routing_mismatch_of agrees (0)."""
+    from jaxspec.decoding.engine import generate
+    from jaxspec.rl.steps import routing_mismatch_of
+    from jaxspec.testing.drafters import PROMPTS, every_drafter
+
+    policy = _moe_policy()
+    if case == "bf16_invariant":
+        policy = policy.astype("bfloat16").with_config(batch_invariant=True)
+    drafter = every_drafter(policy)["ngram" if case == "ngram_slots_grown" else "eagle3_tree"]
+    new, slots = (140, 1) if case == "ngram_slots_grown" else (12, None)  # 140: past 64 slots
+    out = generate(policy, PROMPTS, drafter=drafter, sampling=SamplingConfig(1.0),
+                   max_new_tokens=new, key=jax.random.key(1), slots=slots)
+    routes = np.asarray(out.routes)
+    assert routes.shape == (3, new, 2, 2)
+    for b, prompt in enumerate(PROMPTS):
+        n = int(out.lengths[b])
+        seq = jnp.asarray([prompt + np.asarray(out.tokens[b, :n]).tolist()])
+        _, _, _, train = policy.forward(seq, jnp.arange(seq.shape[1])[None], routing=True)
+        want = np.sort(np.asarray(train["experts"])[:, 0, len(prompt):len(prompt) + n - 1], -1)
+        np.testing.assert_array_equal(np.sort(routes[b, :n - 1].transpose(1, 0, 2), -1), want)
+        assert np.all(routes[b, n - 1:] == -1)
+    prompts = np.zeros((3, 7), np.int32)
+    for b, p in enumerate(PROMPTS):
+        prompts[b, :len(p)] = p
+    mismatch, counted = routing_mismatch_of(policy, prompts, np.array([7, 2, 6]), out.tokens,
+                                            out.lengths, out.routes)
+    assert float(mismatch) == 0.0 and int(counted) == int(np.sum(np.asarray(out.lengths) - 1))
+
+
+def test_routing_mismatch_counts_a_changed_route():
+    """The metric sees a difference: rollouts routed by one policy, scored by another
+    (top-1 routing, the same params) differ on most tokens."""
+    from jaxspec.decoding.engine import generate
+    from jaxspec.rl.steps import routing_mismatch_of
+
+    policy = _moe_policy()
+    prompts = np.array([[5, 9, 13], [77, 3, 1]], np.int32)
+    out = generate(policy, prompts.tolist(), sampling=SamplingConfig(1.0), max_new_tokens=10,
+                   key=jax.random.key(2))
+    other = policy.with_config(norm_topk_prob=False, num_experts_per_tok=2)
+    same = routing_mismatch_of(other, prompts, np.array([3, 3]), out.tokens, out.lengths,
+                               out.routes)[0]
+    assert float(same) == 0.0  # the weights' normalisation does not change the choice
+    shifted = policy.replace(params=jax.tree.map(lambda x: x, policy.params))
+    router = shifted.params["layers"]["moe"]["router"]
+    shifted.params["layers"]["moe"]["router"] = router[...] * -1.0  # the opposite preferences
+    changed = routing_mismatch_of(shifted, prompts, np.array([3, 3]), out.tokens, out.lengths,
+                                  out.routes)[0]
+    assert float(changed) > 0.9
