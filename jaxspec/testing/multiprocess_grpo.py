@@ -15,7 +15,10 @@ logprob stage, policy and online draft updates, a checkpoint after every step):
   two-process run's checkpoint of step STEPS - 1 and runs the last step (`resume_here`);
 - MODE resume: the last process gets a SIGTERM after step STEPS - 1; all processes stop
   there together (faults.StopSignals agrees on it), then a new trainer resumes from the
-  checkpoint they wrote and runs the last step.
+  checkpoint they wrote and runs the last step;
+- MODE moe: MOE_STEPS steps in one go of a mixture-of-experts policy (MOE: 4 experts, top-2)
+  on the expert-parallel mesh MOE_MESH (data across the processes, the experts split in
+  two inside each).
 
 After every step each process gathers the state (policy, optimizer, head, draft optimizer)
 to the host; process 0 writes them, the generated batches and the metrics rows of
@@ -40,6 +43,11 @@ MESH = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2"]  # data across processes,
 # the tiny config shortened; the comparison's settings are tests/parallel/test_train_step.py's (vocabulary
 # rows replicated: 25 tokens do not split over tensor=2; AdamW eps 1e-5 so fp32 rounding
 # of near-zero gradients is not amplified)
+MOE_STEPS = 2
+MOE_MESH = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=2"]
+MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+       "model.moe_intermediate_size=64", "model.norm_topk_prob=true", "model.tie_embeddings=false",
+       "grpo.router_aux_coef=0.01", "warmup.steps=30"]
 OVERRIDES = [
     "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
     "warmup.steps=60", "warmup.batch_size=32", "warmup.draft_rollouts=8",
@@ -129,7 +137,10 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
 
     lines = []
     log = lines.append
-    if mode == "straight":
+    if mode == "moe":
+        trainer = GRPOTrainer(config(MOE_STEPS, *MOE, *MOE_MESH), log=log, devices=devices)
+        trainer.run(on_step=on_step(trainer))
+    elif mode == "straight":
         trainer = GRPOTrainer(config(STEPS), log=log, devices=devices)
         trainer.run(on_step=on_step(trainer))
         resume_here(workdir, config, devices, out)
@@ -151,7 +162,7 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
         resumed.run(on_step=on_step(resumed))
         trainer = resumed
     mesh = trainer.train_mesh
-    out["mesh_shape"] = np.asarray([mesh.shape[a] for a in ("data", "fsdp", "tensor")])
+    out["mesh_shape"] = np.asarray([mesh.shape[a] for a in ("data", "fsdp", "expert", "tensor")])
     out["mesh_processes"] = np.vectorize(lambda d: d.process_index)(mesh.devices)
     out["seconds"] = np.float64(time.perf_counter() - start)
     for i, b in enumerate(batches):

@@ -99,11 +99,16 @@ def metric_rows(results) -> list[dict]:
 
 def test_two_processes_equal_one_process(runs):
     _, two, one = runs
-    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 2])
-    np.testing.assert_array_equal(one["mesh_shape"], [2, 1, 2])
-    np.testing.assert_array_equal(two["mesh_processes"], [[[0, 0]], [[1, 1]]])  # data across
-    np.testing.assert_array_equal(one["mesh_processes"], np.zeros((2, 1, 2)))
-    for step in range(1, worker.STEPS + 1):
+    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 1, 2])
+    np.testing.assert_array_equal(one["mesh_shape"], [2, 1, 1, 2])
+    np.testing.assert_array_equal(two["mesh_processes"], [[[[0, 0]]], [[[1, 1]]]])  # data across
+    np.testing.assert_array_equal(one["mesh_processes"], np.zeros((2, 1, 1, 2)))
+    _assert_same_runs(two, one, worker.STEPS)
+
+
+def _assert_same_runs(two, one, steps):
+    """Tokens, lengths, accepted drafts identical; log-probs, states and metrics within 1e-5."""
+    for step in range(1, steps + 1):
         for k in ("tokens", "lengths", "accepted_at"):
             np.testing.assert_array_equal(two[f"b{step}_{k}"], one[f"b{step}_{k}"], err_msg=(step, k))
         np.testing.assert_allclose(two[f"b{step}_gen_logprobs"], one[f"b{step}_gen_logprobs"],
@@ -113,11 +118,31 @@ def test_two_processes_equal_one_process(runs):
         for k in keys:
             np.testing.assert_allclose(two[k], one[k], rtol=0, atol=1e-5, err_msg=k)
     rows_two, rows_one = metric_rows(two), metric_rows(one)
-    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2, 3]
+    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == list(range(1, steps + 1))
     for got, want in zip(rows_two, rows_one, strict=True):
         assert got.keys() == want.keys()
         for key, value in want.items():
             assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), (got["step"], key, got[key], value)
+
+
+def test_two_processes_equal_one_process_on_an_moe_policy(tmp_path):
+    """An MoE policy with its experts split over an expert axis inside each process, rollout
+    rows over the processes: two processes equal one (the same comparison as above, fewer
+    steps, no preemption); routing is measured and speculation replays plain decoding."""
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one").mkdir()
+    procs = [(f"two processes, process {i}", p) for i, p in
+             enumerate(launch(tmp_path / "two", 2, "moe"))]
+    procs.append(("one process", launch(tmp_path / "one", 1, "moe")[0]))
+    wait(procs)
+    with np.load(tmp_path / "two" / "moe.npz") as two, np.load(tmp_path / "one" / "moe.npz") as one:
+        two, one = dict(two), dict(one)
+    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 2, 1])
+    np.testing.assert_array_equal(two["mesh_processes"], [[[[0], [0]]], [[[1], [1]]]])
+    _assert_same_runs(two, one, worker.MOE_STEPS)
+    rows = metric_rows(one)
+    assert all(r["moe/routing_mismatch"] <= 0.05 and r["grpo/router_aux_loss"] > 1.5 for r in rows)
+    assert all(r["replay_identical"] == 1.0 for r in rows if "replay_identical" in r)
 
 
 def test_the_runs_train_and_speculate(runs):
