@@ -55,8 +55,8 @@ def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
         return inspect_hf(path, dtype, attention_backend=backend)
     except (OSError, ValueError) as e:  # HFCheckpointError, UnsupportedModelError, missing files
         raise ConfigError(key, path, str(e),
-                          "a local HF Qwen3/Llama directory with config.json and complete "
-                          "*.safetensors") from None
+                          "a local HF Qwen3/Llama/Qwen3-MoE directory with config.json and "
+                          "complete *.safetensors") from None
 
 
 def inspect_mtp(path: str, model_config: ModelConfig) -> None:

@@ -127,3 +127,35 @@ def test_routing_mismatch_counts_a_changed_route():
     changed = routing_mismatch_of(shifted, prompts, np.array([3, 3]), out.tokens, out.lengths,
                                   out.routes)[0]
     assert float(changed) > 0.9
+
+
+# Qwen/Qwen3-30B-A3B's config.json as published (transformers 4.51 spelling)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_the_shipped_moe_configs():
+    """configs/qwen3_30b_a3b_eagle3.yaml's model section is Qwen3-30B-A3B's config.json
+    (30.5B parameters); configs/moe.yaml is an MoE run on the task's own vocabulary."""
+    from jaxspec.models import Policy
+    from jaxspec.models.hf import config_from_hf
+    from jaxspec.testing import ROOT
+
+    cfg = load_config(ROOT / "configs" / "qwen3_30b_a3b_eagle3.yaml", check_paths=False)
+    ours = cfg.model.model_config(151936)
+    assert ours == config_from_hf(QWEN3_30B_A3B, attention_backend=ours.attention_backend)
+    assert round(Policy.abstract(ours).num_params / 1e9, 1) == 30.5
+    moe = load_config(ROOT / "configs" / "moe.yaml")
+    assert moe.model.family == "qwen3_moe" and moe.mesh.expert == 1
+    assert moe.model.model_config(moe.tiny_vocab_size()).is_moe
