@@ -14,7 +14,7 @@ from jaxspec.kernels import BACKENDS
 from jaxspec.errors import FieldError
 
 FAMILIES = ("qwen3", "llama", "qwen3_moe")
-EXPERT_BACKENDS = ("ragged", "dense")
+EXPERT_BACKENDS = ("ragged", "blocked", "dense")
 DTYPES = ("float32", "bfloat16")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 
@@ -64,9 +64,11 @@ class ModelConfig:
     # width `moe_intermediate_size` (softmax router, top-k, renormalised if norm_topk_prob),
     # plus a gated shared expert of width `shared_expert_intermediate_size` (0: none; Qwen2-MoE
     # style). Layer i is sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step
-    # == 0; the others run the dense MLP of width intermediate_size. expert_backend: "ragged"
-    # (tokens sorted by expert, one grouped matmul per projection: jax.lax.ragged_dot) or
-    # "dense" (every expert over every token, masked: the reference).
+    # == 0; the others run the dense MLP of width intermediate_size. expert_backend, for
+    # forwards of more tokens than a decode's: "blocked" (tokens sorted by expert, one batched
+    # matmul per block of one expert's rows), "ragged" (jax.lax.ragged_dot: a grouped GEMM
+    # where XLA lowers it to one; its default lowering multiplies every expert) or "dense"
+    # (every expert over every token, masked: the reference). jaxspec.models.moe.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -74,7 +76,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
-    expert_backend: str = "ragged"
+    expert_backend: str = "blocked"
 
     def __post_init__(self):
         for name, choices in (("family", FAMILIES), ("dtype", DTYPES),

@@ -18,8 +18,12 @@ picked, which is what a memory-bound decode step should cost. Larger forwards ta
   cuDNN on GPU behind an XLA flag); XLA's default lowering (CPU, GPU without the flag)
   expands it into zero-padded per-expert products, E / top-k times the FLOPs, and on this
   CPU it is slower than "dense" (docs/BENCHMARKS.md);
+- "blocked": the same sorted assignments with each expert's group padded to whole blocks of
+  EXPERT_BLOCK rows, every block one batched matmul with its expert's weights gathered: a
+  grouped matmul from ordinary ops, so its FLOPs follow the assignments (plus at most a
+  block of padding per expert) on every backend;
 - "dense": every expert over every token, the unchosen ones weighted 0 (E / top-k times the
-  FLOPs): the reference the tests compare the grouped path with, and the faster one on CPU.
+  FLOPs): the reference the tests compare the grouped paths with.
 With `batch_invariant` every product is a per-row `tree_sum` over the gathered expert's
 weights (jaxspec.kernels.invariant), so a token's output never depends on the other tokens
 routed with it (a grouped matmul's tiling does: the group sizes change with the batch).
@@ -38,7 +42,11 @@ from flax import nnx
 from jaxspec.kernels.invariant import invariant_dot, tree_sum, uncontracted
 from jaxspec.models.config import ModelConfig
 
-__all__ = ["MoE", "load_balancing_loss", "router_z_loss", "routing_mismatch"]
+__all__ = ["EXPERT_BLOCK", "MoE", "load_balancing_loss", "router_z_loss", "routing_mismatch"]
+
+# Rows per block of the "blocked" expert backend (fewer when the assignments per expert are
+# fewer): each block is one expert's, so its padding costs at most E blocks of rows.
+EXPERT_BLOCK = 128
 
 
 def _param(rngs, shape, dtype, axes):
@@ -102,6 +110,8 @@ class MoE(nnx.Module):
             out = self._gathered(flat, weights, experts)  # decode-sized: read only the chosen
         elif cfg.expert_backend == "dense":
             out = self._dense(flat, weights, experts)
+        elif cfg.expert_backend == "blocked":
+            out = self._blocked(flat, weights, experts)
         else:
             out = self._ragged(flat, weights, experts)
         if self.shared_expert is not None:
@@ -138,6 +148,35 @@ class MoE(nnx.Module):
         gate = jnp.einsum("nh,nkhi->nki", x, self.gate_proj[...][experts])
         up = jnp.einsum("nh,nkhi->nki", x, self.up_proj[...][experts])
         y = jnp.einsum("nki,nkih->nkh", jax.nn.silu(gate) * up, self.down_proj[...][experts])
+        return jnp.sum(y * weights[..., None], axis=1)
+
+    def _blocked(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]
+        """A grouped matmul from batched ones: the assignments sorted by expert, each expert's
+        group padded to whole blocks of EXPERT_BLOCK rows, every block multiplied by its
+        expert's weights (gathered per block). Static shapes, FLOPs within E blocks of the
+        assignments', on any backend (no ragged_dot lowering needed)."""
+        n, k = experts.shape
+        e, h = self.config.num_experts, x.shape[-1]
+        m = n * k
+        block = min(EXPERT_BLOCK, max(8, 1 << (max(m // e, 1) - 1).bit_length()))
+        blocks = -(-(m + e * (block - 1)) // block)  # enough for any routing
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)  # [E]
+        padded = -(-sizes // block) * block
+        ends = jnp.cumsum(padded)
+        starts_padded = ends - padded
+        starts = jnp.cumsum(sizes) - sizes
+        sorted_e = flat[order]
+        rows = starts_padded[sorted_e] + jnp.arange(m, dtype=jnp.int32) - starts[sorted_e]
+        xs = jnp.zeros((blocks * block, h), x.dtype).at[rows].set(x[order // k])
+        owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), e - 1)
+        xb = xs.reshape(blocks, block, h)
+        gate = jnp.einsum("bth,bhi->bti", xb, self.gate_proj[...][owner])
+        up = jnp.einsum("bth,bhi->bti", xb, self.up_proj[...][owner])
+        yb = jnp.einsum("bti,bih->bth", jax.nn.silu(gate) * up, self.down_proj[...][owner])
+        ys = yb.reshape(blocks * block, h)[rows]  # [M, H] grouped order
+        y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, h)
         return jnp.sum(y * weights[..., None], axis=1)
 
     def _dense(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]

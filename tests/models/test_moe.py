@@ -139,11 +139,12 @@ def _moe_config(**kw):
     return ModelConfig.tiny("qwen3_moe", **{**base, **kw})
 
 
-@pytest.mark.parametrize("shared", [0, 24])
-def test_ragged_experts_equal_dense_experts_with_gradients(shared):
-    """The grouped-matmul path (tokens sorted by expert, jax.lax.ragged_dot) against every
-    expert over every token: the same logits and the same gradients, with a shared expert too."""
-    cfg = _moe_config(shared_expert_intermediate_size=shared)
+@pytest.mark.parametrize("backend,shared", [("ragged", 0), ("ragged", 24), ("blocked", 0)])
+def test_grouped_experts_equal_dense_experts_with_gradients(backend, shared):
+    """The grouped-matmul paths (tokens sorted by expert; jax.lax.ragged_dot, or blocks of one
+    expert each) against every expert over every token: the same logits and the same
+    gradients, with a shared expert too."""
+    cfg = _moe_config(shared_expert_intermediate_size=shared, expert_backend=backend)
     ragged = random_policy(cfg, seed=3)
     dense = ragged.with_config(expert_backend="dense")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (3, 9)), jnp.int32)
@@ -161,9 +162,10 @@ def test_ragged_experts_equal_dense_experts_with_gradients(shared):
     assert np.abs(np.asarray(expert_grad)).max() > 0  # the experts learn through the grouped path
 
 
-def test_gathered_experts_equal_dense_experts():
+def test_gathered_and_blocked_experts_equal_dense_experts():
     """The decode-sized path (N * top-k <= E: each token's chosen experts' weights gathered)
-    against every expert over every token, with the same routing."""
+    and the blocked grouped path under skewed routing, against every expert over every
+    token, with the same routing."""
     cfg = _moe_config(num_experts=8, num_experts_per_tok=2)
     moe = random_policy(cfg, seed=5).module.layers  # stacked layers; take layer 0's MoE
     from flax import nnx
@@ -178,6 +180,14 @@ def test_gathered_experts_equal_dense_experts():
     out, _, _ = layer.moe(x[None, :3])  # 3 tokens x top-2 <= 8 experts: the gathered path
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(
         layer.moe._dense(x[:3], weights[:3], experts[:3])), atol=1e-6, rtol=1e-6)
+    # the blocked path under skewed routing: every token's first choice is expert 3, and
+    # 40 tokens fill several blocks of it while most experts get none
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((40, 32)), jnp.float32)
+    _, weights, experts = layer.moe.route(x)
+    experts = experts.at[:, 0].set(3).at[:, 1].set(jnp.where(experts[:, 1] == 3, 5, experts[:, 1]))
+    np.testing.assert_allclose(np.asarray(layer.moe._blocked(x, weights, experts)),
+                               np.asarray(layer.moe._dense(x, weights, experts)),
+                               atol=1e-6, rtol=1e-6)
 
 
 def _np_softmax(z):
@@ -239,7 +249,7 @@ def test_routing_mismatch_counts_tokens_with_a_different_expert_set():
     ("num_experts_per_tok", 9, "an int in [1, num_experts=8]"),
     ("moe_intermediate_size", 0, "an int >= 1 for family 'qwen3_moe'"),
     ("mlp_only_layers", (3,), "layer indices in [0, 2)"),
-    ("expert_backend", "grouped", "one of 'ragged', 'dense'"),
+    ("expert_backend", "grouped", "one of 'ragged', 'blocked', 'dense'"),
 ])
 def test_bad_moe_config_names_the_field(field, value, valid):
     with pytest.raises(FieldError) as e:

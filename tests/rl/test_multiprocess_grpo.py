@@ -125,6 +125,7 @@ def _assert_same_runs(two, one, steps):
             assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), (got["step"], key, got[key], value)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_on_an_moe_policy(tmp_path):
     """An MoE policy with its experts split over an expert axis inside each process, rollout
     rows over the processes: two processes equal one (the same comparison as above, fewer
