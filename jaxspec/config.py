@@ -632,6 +632,7 @@ class MeshSpec:
     data: int = _MESH_DEFAULTS["data"].default
     fsdp: int = _MESH_DEFAULTS["fsdp"].default
     tensor: int = _MESH_DEFAULTS["tensor"].default
+    expert: int = _MESH_DEFAULTS["expert"].default  # expert parallelism (an MoE policy's experts)
     rules: dict[str, Optional[str | tuple[str, ...]]] = Field(
         default_factory=lambda: dict(parallel.DEFAULT_RULES))
 

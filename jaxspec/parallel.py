@@ -1,9 +1,14 @@
 """Meshes, logical-axis sharding rules, weight sync between meshes, multi-host start-up.
 
 Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv_heads`, `head_dim`,
-`mlp`, `layers`) as nnx metadata; activations use `batch` and `length`. One table of
-rules maps each logical axis to a mesh axis of the ("data", "fsdp", "tensor") mesh, a
-tuple of them, or None (replicated), so changing the parallelism is a config change.
+`mlp`, `layers`, and `experts` for an MoE policy's stacked experts) as nnx metadata;
+activations use `batch` and `length`. One table of rules maps each logical axis to a mesh
+axis of the ("data", "fsdp", "expert", "tensor") mesh, a tuple of them, or None
+(replicated), so changing the parallelism is a config change. Expert parallelism: the
+`expert` axis holds a slice of every MoE layer's experts (rule `experts -> expert`); a dense
+model ignores it (size 1 by default). Tokens are not split over it unless the `batch` rule
+names it (`rules.batch: [data, fsdp, expert]`, data parallel over the expert groups, as
+MaxText's expert parallelism does).
 
 Everything runs under GSPMD: put the params and the batch on their shardings, enter
 `jax.set_mesh(mesh)`, and call the ordinary functions (`Policy.forward`, `generate`, a
@@ -58,7 +63,7 @@ __all__ = [
     "sync_weights",
 ]
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axis -> mesh axis (or a tuple of mesh axes, or None = replicated).
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -71,6 +76,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "head_dim": None,
     "layers": None,
+    "experts": "expert",  # an MoE layer's expert index (jaxspec.models.moe)
 }
 LOGICAL_AXES = tuple(DEFAULT_RULES)
 
@@ -81,22 +87,25 @@ KV_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 # --------------------------------------------------------------------------- meshes
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh over `devices` (default: all, every process's).
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, *,
+              expert: int = 1) -> Mesh:
+    """A ("data", "fsdp", "expert", "tensor") mesh over `devices` (default: all, every
+    process's).
 
     One size may be -1: it takes the devices the others leave. Devices are laid out in
-    the given order with `tensor` innermost, so with the default order (process-major)
-    tensor groups stay inside a host and `data` spans hosts.
+    the given order with `tensor` innermost and `expert` next, so with the default order
+    (process-major) tensor and expert groups stay inside a host (their all-to-all and
+    all-reduce traffic on the fast links) and `data` spans hosts.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
     check_mesh_sizes(sizes)
     fill = [name for name, size in sizes.items() if size == -1]
     n = len(devices)
     if n == 0:
         raise ValueError("make_mesh: no devices given")
     fixed = math.prod(size for size in sizes.values() if size != -1)
-    shown = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    shown = " x ".join(f"{k}={v}" for k, v in sizes.items() if k != "expert" or v != 1)
     if fill:
         if n % fixed:
             raise ValueError(

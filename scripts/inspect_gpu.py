@@ -33,6 +33,9 @@ def _parse(argv):
     p.add_argument("--config", required=True, help="a run config (YAML)")
     p.add_argument("--target", required=True, help="h100, h200 or gb200")
     p.add_argument("--devices", type=int, default=8, help="GPUs of the GRPO programs' mesh")
+    p.add_argument("--expert", type=int, default=1,
+                   help="the GRPO programs' expert-parallel axis (an MoE policy); fsdp takes "
+                        "the rest of --devices")
     p.add_argument("--batches", default="1,64", help="comma list of decode batch sizes")
     p.add_argument("--context", type=int, default=2048, help="live KV slots per row (= cache capacity)")
     p.add_argument("--prompt-len", type=int, default=None,
@@ -118,6 +121,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--context {args.context}: must be >= 16")
         if args.devices < 1:
             raise ValueError(f"--devices {args.devices}: must be >= 1")
+        if args.expert < 1 or args.devices % args.expert:
+            raise ValueError(f"--expert {args.expert}: must be >= 1 and divide --devices "
+                             f"{args.devices}")
         from jaxspec.gpu_targets.inspect import DECODE_PROGRAMS, PROGRAMS
 
         programs = (args.programs.split(",") if args.programs else list(DECODE_PROGRAMS))
@@ -160,10 +166,11 @@ def main(argv=None) -> int:
     print(f"{'program':<13} {'batch':>5} {'GB/iter':>9} {'floor GB':>9} {'ratio':>8} "
           f"{'copies':>6} {'kernels':>7} {'thunks':>6} {'in CB':>6} {'GB/dev':>8}", flush=True)
     reports = []
-    one = gpu_targets.mesh(args.target, {"data": 1, "fsdp": 1, "tensor": 1})
+    one = gpu_targets.mesh(args.target, {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
     for name in programs:
         if name.startswith("grpo"):
-            mesh = gpu_targets.mesh(args.target, {"data": 1, "fsdp": args.devices, "tensor": 1})
+            mesh = gpu_targets.mesh(args.target, {"data": 1, "fsdp": args.devices // args.expert,
+                                                  "expert": args.expert, "tensor": 1})
             program = build_program(name, model, batch=0, context=args.context, mesh=mesh,
                                     run=run_settings(cfg))
             report = inspect_program(program, args.target, mesh, hlo_dir=args.hlo_dir,

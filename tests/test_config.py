@@ -208,10 +208,17 @@ def test_a_config_saved_by_an_earlier_version_still_loads():
     saved = load_config(path, check_paths=False)
     assert saved == load_config(TINY, SAVED_OVERRIDES, check_paths=False)
     added_since = {("run", "wandb"): None,
-                   ("draft", "block"): C.to_dict(C.Config())["draft"]["block"]}
+                   ("draft", "block"): C.to_dict(C.Config())["draft"]["block"],
+                   ("model", "num_experts"): 0,
+                   ("model", "num_experts_per_tok"): 0, ("model", "moe_intermediate_size"): 0,
+                   ("model", "norm_topk_prob"): False, ("model", "decoder_sparse_step"): 1,
+                   ("model", "mlp_only_layers"): [], ("model", "shared_expert_intermediate_size"): 0,
+                   ("model", "expert_backend"): "blocked", ("mesh", "expert"): 1,
+                   ("grpo", "router_aux_coef"): 0.0, ("grpo", "router_z_coef"): 0.0}
     written = C.to_dict(saved)
     for (section, key), default in added_since.items():
         assert written[section].pop(key) == default
+    assert written["mesh"]["rules"].pop("experts") == "expert"  # a rule added since
     assert written == C._yaml_load(path.read_text())
 
 
@@ -311,7 +318,7 @@ def test_each_key_has_one_default_the_librarys():
     assert model - {"hf_path"} == {f.name for f in dataclasses.fields(ModelConfig)}
     assert cfg.model.model_config(tiny.vocab_size) == tiny
     mesh_defaults = inspect.signature(parallel.make_mesh).parameters
-    assert [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor] == [
+    assert [getattr(cfg.mesh, a) for a in parallel.MESH_AXES] == [
         mesh_defaults[a].default for a in parallel.MESH_AXES]
     assert cfg.mesh.rules == parallel.DEFAULT_RULES
     # configs/tiny.yaml may list fewer rules: the others are parallel's

@@ -86,7 +86,9 @@ def grow_state(state: LoopState, policy, drafter, *, capacity: int, pad_id: int,
     return dataclasses.replace(
         state,
         buffer=parallel.constrain(jnp.pad(state.buffer, pad, constant_values=pad_id), ("batch", "length")),
-        logprobs=jnp.pad(state.logprobs, pad), cache=cache, draft_state=draft_state)
+        logprobs=jnp.pad(state.logprobs, pad), cache=cache, draft_state=draft_state,
+        routes=None if state.routes is None else jnp.pad(
+            state.routes, pad + ((0, 0), (0, 0)), constant_values=-1))
 
 
 # state_in is donated: a later segment's loop takes over the grown state's buffers.
@@ -121,6 +123,7 @@ def run_segment(inp: LoopInputs, state_in: LoopState | None, *, spec: LoopSpec, 
         inp.drafter.draft_stats(final.draft_state) if isinstance(inp.drafter, ReportsStats) else {},
         next_probe=None if final.adapt is None
         else jnp.maximum(final.adapt.next_probe - final.stats.target_forwards, 0),
+        routes=final.out_routes,
     ), where_now(spec, inp, final, zero)
 
 

@@ -92,7 +92,30 @@ def start(spec: LoopSpec, inp: LoopInputs) -> LoopState:
         out_logprobs=out((n, new), 0.0, jnp.float32, ("batch", "length")),
         out_lengths=out((n,), 0, jnp.int32, ("batch",)),
         adapt=None if adaptive is None else AdaptState.zeros(adaptive), **deferred,
+        **_route_buffers(policy, batch, spec),
     )
+
+
+def _route_buffers(policy, batch: int, spec: LoopSpec) -> dict:
+    """An MoE policy's routing buffers (LoopState.routes / out_routes), all -1; {} if dense."""
+    cfg = policy.config
+    if not cfg.is_moe:
+        return {}
+    tail = (cfg.num_layers, cfg.num_experts_per_tok)
+    return dict(routes=jnp.full((batch, spec.max_len) + tail, -1, jnp.int32),
+                out_routes=jnp.full((spec.num_prompts, spec.max_new_tokens) + tail, -1, jnp.int32))
+
+
+def _routed(routes, routing, kept, n_emit, root_pos, max_len: int):
+    """`routes` [slots, S, L, K] with the kept fed entries' experts written at their positions:
+    kept[:, j] (fed index, -1 none) sits at root_pos + j; only j < n_emit (the emitted ones).
+    routing["experts"]: [L, slots, N+1, K] of the forward that fed them."""
+    offs = jnp.arange(kept.shape[1], dtype=jnp.int32)[None, :]
+    experts = jnp.transpose(routing["experts"], (1, 2, 0, 3))  # [slots, N+1, L, K]
+    picked = jnp.take_along_axis(experts, jnp.maximum(kept, 0)[:, :, None, None], axis=1)
+    at = jnp.where((kept >= 0) & (offs < n_emit[:, None]), root_pos[:, None] + offs, max_len)
+    rows = jnp.arange(kept.shape[0])[:, None]
+    return routes.at[rows, at].set(picked, mode="drop")
 
 
 def _context(spec: LoopSpec, inp: LoopInputs, s: LoopState, d, slot_rows, active):
@@ -174,8 +197,9 @@ def step(spec: LoopSpec, inp: LoopInputs, s: LoopState, depth) -> LoopState:
     tree, draft_probs, draft_state = d.propose(s.draft_state, policy, ctx)
     fed = jnp.concatenate([root, tree.tokens], axis=1)  # [slots, N+1]
     positions = jnp.where(active[:, None], tree.positions(root_pos), -1)
-    logits, captured, cache = policy.forward(fed, positions, s.cache, mask=tree.attention_mask(),
-                                             capture=spec.capture)
+    logits, captured, cache, *routing = policy.forward(
+        fed, positions, s.cache, mask=tree.attention_mask(), capture=spec.capture,
+        routing=s.routes is not None)
     # Plain decoding is verification of an empty tree: one code path for both.
     verdict = verify(inp.key, logits, tree, inp.sampling, method=spec.method, positions=s.lengths,
                      draft_probs=draft_probs, rows=slot_rows, noise=ctx.verifier_noise)
@@ -193,7 +217,9 @@ def step(spec: LoopSpec, inp: LoopInputs, s: LoopState, depth) -> LoopState:
         s, buffer=s.buffer.at[b_idx, write_at].set(verdict.tokens, mode="drop"),
         logprobs=s.logprobs.at[b_idx, write_at].set(verdict.logprobs, mode="drop"),
         lengths=s.lengths + n_emit, done=done, cache=cache, draft_state=draft_state,
-        stats=stats, pending=pending)
+        stats=stats, pending=pending,
+        routes=None if s.routes is None else _routed(s.routes, routing[0], kept, n_emit,
+                                                      root_pos, spec.max_len))
     out = depth.after(inp, out, verdict.num_accepted, active, iteration)
     if spec.refill:
         out = refill(spec, inp, harvest(spec, inp, out, done & ~s.done), **depth.refill_options(spec))

@@ -102,6 +102,11 @@ class LoopState:
     # [slots] bool rows started during k = 0 whose drafter row is reset at the next flush
     # (a drafter with a refill hook resets it when the rollout starts)
     pending_reset: jax.Array | None = None
+    # an MoE policy: [slots, max_len, L, K] int32 the experts each token was routed to when
+    # it was fed (-1: not yet fed), and [prompts, max_new_tokens, L, K] those of the
+    # finished rollouts (Rollouts.routes); None for a dense policy
+    routes: jax.Array | None = None
+    out_routes: jax.Array | None = None
 
 
 def empty_observation(batch: int, n: int, captured: dict) -> Observation:

@@ -35,8 +35,13 @@ def harvest(spec: LoopSpec, inp: LoopInputs, s: LoopState, mask) -> LoopState:
     tok = jnp.where(valid, jnp.take_along_axis(s.buffer, idx, axis=1), spec.pad_id)
     logp = jnp.where(valid, jnp.take_along_axis(s.logprobs, idx, axis=1), 0.0)
     target = jnp.where(mask, s.prompt_of, spec.num_prompts)  # out of range: dropped
+    out_routes = s.out_routes
+    if s.routes is not None:  # an MoE policy's experts per generated token
+        picked = jnp.take_along_axis(s.routes, idx[:, :, None, None], axis=1)
+        routes = jnp.where(valid[:, :, None, None], picked, -1)
+        out_routes = out_routes.at[target].set(routes, mode="drop")
     return dataclasses.replace(
-        s,
+        s, out_routes=out_routes,
         out_tokens=s.out_tokens.at[target].set(tok, mode="drop"),
         out_logprobs=s.out_logprobs.at[target].set(logp, mode="drop"),
         out_lengths=s.out_lengths.at[target].set(n_gen, mode="drop"),
@@ -136,6 +141,7 @@ def refill(spec: LoopSpec, inp: LoopInputs, s: LoopState, defer_prompts: bool = 
         s, pending=pending, pending_prompt=pending_prompt, pending_reset=pending_reset,
         buffer=jnp.where(start[:, None], inp.padded_prompts[prompt_of], s.buffer),
         logprobs=jnp.where(start[:, None], 0.0, s.logprobs),
+        routes=None if s.routes is None else jnp.where(start[:, None, None, None], -1, s.routes),
         lengths=jnp.where(start, inp.prompt_lengths[prompt_of], s.lengths),
         done=s.done & ~start, cache=cache, draft_state=draft_state, stats=stats,
         prompt_of=prompt_of, next_prompt=s.next_prompt + n_start,

@@ -110,3 +110,7 @@ class Rollouts:
     # [] int32 adaptive k: loop iterations from the call's end to the probe it would have
     # run next (`AdaptiveK.after` carries it into the next call); None without adaptive k
     next_probe: jax.Array | None = None
+    # an MoE policy: [batch, max_new_tokens, L, K] int32 the experts each generated token was
+    # routed to in the forward that fed it (-1: never fed, i.e. a rollout's last token, and
+    # padding; a dense layer of a mixed model: -1); None for a dense policy
+    routes: jax.Array | None = None

@@ -1,4 +1,4 @@
-"""Policy transformer (Qwen3 / Llama-3 families) as Flax NNX modules, KV cache, HF interop."""
+"""Policy transformer (Qwen3 / Llama-3 / Qwen3-MoE) as Flax NNX modules, KV cache, HF interop."""
 
 from jaxspec.models.cache import CacheOverflowError, KVCache, compact
 from jaxspec.models.config import (

@@ -130,8 +130,8 @@ class BlockHead:
         pc = policy.config
         layers = (tuple(capture_layers) if capture_layers is not None
                   else default_block_layers(pc.num_layers, max(3, num_layers)))
-        layer = pc.replace(num_layers=num_layers, qk_norm=True, tie_embeddings=False,
-                           family="qwen3")
+        layer = pc.without_experts().replace(num_layers=num_layers, qk_norm=True,
+                                             tie_embeddings=False, family="qwen3")
         mask = pc.vocab_size - 1 if mask_token_id is None else int(mask_token_id)
         cfg = BlockConfig(layer, int(block_size), pc.hidden_size, layers, mask, int(markov_rank),
                           bool(confidence))

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jaxspec.kernels import BACKENDS
 from jaxspec.errors import FieldError
 
-FAMILIES = ("qwen3", "llama")
+FAMILIES = ("qwen3", "llama", "qwen3_moe")
+EXPERT_BACKENDS = ("ragged", "blocked", "dense")
 DTYPES = ("float32", "bfloat16")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 
@@ -58,10 +59,29 @@ class ModelConfig:
     # whose generation must match the scanned training forward bit for bit), scan on TPU.
     # Training always scans.
     layer_loop: str = "auto"
+    # Mixture of experts (family qwen3_moe, HF Qwen3MoeForCausalLM; jaxspec.models.moe): each
+    # sparse layer routes a token to `num_experts_per_tok` of `num_experts` SwiGLU experts of
+    # width `moe_intermediate_size` (softmax router, top-k, renormalised if norm_topk_prob),
+    # plus a gated shared expert of width `shared_expert_intermediate_size` (0: none; Qwen2-MoE
+    # style). Layer i is sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    # == 0; the others run the dense MLP of width intermediate_size. expert_backend, for
+    # forwards of more tokens than a decode's: "blocked" (tokens sorted by expert, one batched
+    # matmul per block of one expert's rows), "ragged" (jax.lax.ragged_dot: a grouped GEMM
+    # where XLA lowers it to one; its default lowering multiplies every expert) or "dense"
+    # (every expert over every token, masked: the reference). jaxspec.models.moe.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+    expert_backend: str = "blocked"
 
     def __post_init__(self):
         for name, choices in (("family", FAMILIES), ("dtype", DTYPES),
-                              ("attention_backend", BACKENDS), ("layer_loop", LAYER_LOOPS)):
+                              ("attention_backend", BACKENDS), ("layer_loop", LAYER_LOOPS),
+                              ("expert_backend", EXPERT_BACKENDS)):
             value = getattr(self, name)
             if value not in choices:
                 close = difflib.get_close_matches(str(value), choices, n=1)
@@ -103,11 +123,74 @@ class ModelConfig:
             raise FieldError("ModelConfig", "head_dim", self.head_dim, "must be even for RoPE",
                              "an even int", message=f"ModelConfig.head_dim={self.head_dim} must "
                              "be even for RoPE")
+        self._check_experts()
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise FieldError("ModelConfig", "rope_scaling", self.rope_scaling, "wrong type",
                              "None or Llama3RopeScaling",
                              message=f"ModelConfig.rope_scaling={self.rope_scaling!r}; valid: "
                              "None or Llama3RopeScaling")
+
+    def _check_experts(self):
+        if isinstance(self.mlp_only_layers, list):  # hashable: the config is a static jit argument
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
+        def bad(name, value, valid, problem="is out of range"):
+            raise FieldError("ModelConfig", name, value, problem, valid,
+                             message=f"ModelConfig.{name}={value!r} {problem}; valid: {valid}")
+
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                bad(name, value, "an int >= 0")
+        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
+            bad("decoder_sparse_step", self.decoder_sparse_step, "an int >= 1")
+        if not isinstance(self.norm_topk_prob, bool):
+            bad("norm_topk_prob", self.norm_topk_prob, "true or false", "wrong type")
+        layers = tuple(self.mlp_only_layers)
+        if any(not isinstance(i, int) or not 0 <= i < self.num_layers for i in layers):
+            bad("mlp_only_layers", layers, f"layer indices in [0, {self.num_layers})")
+        if self.family != "qwen3_moe":
+            if self.num_experts:
+                bad("num_experts", self.num_experts, f"0 for family {self.family!r} (experts "
+                    "need family 'qwen3_moe')", "needs family 'qwen3_moe'")
+            return
+        if self.num_experts < 1:
+            bad("num_experts", self.num_experts, "an int >= 1 for family 'qwen3_moe'")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            bad("num_experts_per_tok", self.num_experts_per_tok,
+                f"an int in [1, num_experts={self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            bad("moe_intermediate_size", self.moe_intermediate_size,
+                "an int >= 1 for family 'qwen3_moe'")
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is the mixture of experts (HF Qwen3MoeDecoderLayer's rule)."""
+        if self.family != "qwen3_moe":
+            return (False,) * self.num_layers
+        skip = set(self.mlp_only_layers)
+        return tuple(i not in skip and (i + 1) % self.decoder_sparse_step == 0
+                     for i in range(self.num_layers))
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.sparse_layers)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer runs the dense MLP (then every layer carries one: stacked layers
+        share a structure, and a sparse layer's is zero and unused; see jaxspec.models.moe)."""
+        return not all(self.sparse_layers)
+
+    def without_experts(self) -> ModelConfig:
+        """This config with a dense MLP in every layer (family qwen3 for qwen3_moe): the shape
+        of a draft head's layer for an MoE policy (EAGLE-3, MTP heads are dense)."""
+        if self.family != "qwen3_moe":
+            return self
+        return self.replace(family="qwen3", num_experts=0, num_experts_per_tok=0,
+                            moe_intermediate_size=0, norm_topk_prob=False, decoder_sparse_step=1,
+                            mlp_only_layers=(), shared_expert_intermediate_size=0)
 
     @property
     def param_dtype(self):
@@ -123,6 +206,7 @@ class ModelConfig:
         qwen3: QK-norm, GQA (4 query heads over 2 KV heads), tied embeddings.
         llama: no QK-norm, untied embeddings, Llama-3 RoPE scaling with a short original
         context so that the scaling changes the frequencies used in tests.
+        qwen3_moe: qwen3's attention, untied, every layer 8 experts of width 32, top-2.
         """
         if family == "qwen3":
             base = dict(
@@ -140,6 +224,14 @@ class ModelConfig:
                 ),
                 rms_norm_eps=1e-5, qk_norm=False, tie_embeddings=False,
                 max_position_embeddings=512, family="llama",
+            )
+        elif family == "qwen3_moe":
+            base = dict(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                qk_norm=True, tie_embeddings=False, max_position_embeddings=512,
+                family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, norm_topk_prob=True,
             )
         else:
             raise ValueError(f"ModelConfig.tiny(family={family!r}); valid: {FAMILIES}")

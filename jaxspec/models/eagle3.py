@@ -99,7 +99,8 @@ class Eagle3Head:
         (the first ids until `with_vocab` sets one chosen from token counts)."""
         pc = policy.config
         layers = tuple(capture_layers) if capture_layers is not None else default_eagle3_layers(pc.num_layers)
-        layer = pc.replace(num_layers=1, qk_norm=False, tie_embeddings=False, family="llama")
+        layer = pc.without_experts().replace(num_layers=1, qk_norm=False, tie_embeddings=False,
+                                             family="llama")
         cfg = Eagle3Config(layer, int(draft_vocab_size), pc.hidden_size, layers)
         head = Eagle3Head.init(cfg, key)
         return head.with_vocab(np.arange(draft_vocab_size))

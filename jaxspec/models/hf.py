@@ -32,8 +32,9 @@ class HFCheckpointError(ValueError):
     """The checkpoint's tensors do not match the config (missing, unexpected, wrong shape)."""
 
 
-_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
-_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
+_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                  "Qwen3MoeForCausalLM": "qwen3_moe"}
+_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe"}
 _FAMILY_ARCH = {v: k for k, v in _ARCHITECTURES.items()}
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 # Non-persistent buffers some older checkpoints carry; never parameters.
@@ -95,6 +96,7 @@ def config_from_hf(
     hidden = _positive_int(hf, "hidden_size")
     kv_heads = _positive_int(hf, "num_key_value_heads", default=heads)
     head_dim = _positive_int(hf, "head_dim", default=hidden // heads or 1)
+    experts = _experts_from_hf(hf) if family == "qwen3_moe" else {}
     try:
         return ModelConfig(
             vocab_size=_positive_int(hf, "vocab_size"),
@@ -107,15 +109,43 @@ def config_from_hf(
             rope_theta=theta,
             rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=_positive_int(hf, "max_position_embeddings", default=40960),
             dtype=dtype,
             attention_backend=attention_backend,
             family=family,
+            **experts,
         )
     except ValueError as e:  # ModelConfig's own checks (e.g. heads vs kv heads)
         raise HFCheckpointError(f"config.json describes an invalid model: {e}") from None
+
+
+def _experts_from_hf(hf: dict) -> dict:
+    """The qwen3_moe fields of ModelConfig from a Qwen3MoeConfig's config.json (transformers 5
+    writes `num_local_experts` where 4 and the Hub's files have `num_experts`)."""
+    if hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
+        hf = {**hf, "num_experts": hf["num_local_experts"]}
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                             for i in only):
+        raise HFCheckpointError(f"config.json 'mlp_only_layers' = {only!r}; valid: a list of "
+                                "layer indices")
+    norm = hf.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise HFCheckpointError(f"config.json 'norm_topk_prob' = {norm!r}; valid: true or false")
+    shared = hf.get("shared_expert_intermediate_size") or 0
+    if shared:
+        shared = _positive_int(hf, "shared_expert_intermediate_size")
+    return dict(
+        num_experts=_positive_int(hf, "num_experts"),
+        num_experts_per_tok=_positive_int(hf, "num_experts_per_tok"),
+        moe_intermediate_size=_positive_int(hf, "moe_intermediate_size"),
+        norm_topk_prob=norm,
+        decoder_sparse_step=_positive_int(hf, "decoder_sparse_step", default=1),
+        mlp_only_layers=tuple(only),
+        shared_expert_intermediate_size=shared,
+    )
 
 
 def _positive_int(hf: dict, key: str, *, default: int | None = None) -> int:
@@ -134,7 +164,8 @@ def _positive_int(hf: dict, key: str, *, default: int | None = None) -> int:
 
 
 def config_to_hf(config: ModelConfig) -> dict:
-    """config.json for Qwen3ForCausalLM / LlamaForCausalLM (read by transformers 4.51+ and 5)."""
+    """config.json for Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM (read by
+    transformers 4.51+ and 5)."""
     rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
     legacy_scaling = None
     if config.rope_scaling is not None:
@@ -163,9 +194,19 @@ def config_to_hf(config: ModelConfig) -> dict:
         "torch_dtype": config.dtype,
         "use_cache": True,
     }
-    if config.family == "qwen3":
+    if config.family in ("qwen3", "qwen3_moe"):
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
-    else:
+    if config.family == "qwen3_moe":
+        hf.update(num_experts=config.num_experts, num_local_experts=config.num_experts,
+                  num_experts_per_tok=config.num_experts_per_tok,
+                  moe_intermediate_size=config.moe_intermediate_size,
+                  norm_topk_prob=config.norm_topk_prob,
+                  decoder_sparse_step=config.decoder_sparse_step,
+                  mlp_only_layers=list(config.mlp_only_layers),
+                  output_router_logits=False, router_aux_loss_coef=0.001)
+        if config.shared_expert_intermediate_size:  # Qwen2-MoE's key (Qwen3-MoE has none)
+            hf["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    elif config.family == "llama":
         hf.update(mlp_bias=False, pretraining_tp=1)
     return hf
 
@@ -181,10 +222,22 @@ class _Weight:
     to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
     to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
     when: Callable[[ModelConfig], bool] = lambda c: True
+    # the layers whose checkpoint has this tensor (dense MLP vs experts); None: every layer
+    kind: str | None = None  # "dense" | "sparse" | None
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf_name
+
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf_name
+
+    def layers(self, config: ModelConfig) -> list[int]:
+        if self.kind is None:
+            return list(range(config.num_layers))
+        want = self.kind == "sparse"
+        return [i for i, s in enumerate(config.sparse_layers) if s == want]
 
 
 def _same(w, c):
@@ -195,8 +248,20 @@ def _transpose(w, c):
     return w.T
 
 
-def _w(hf_name, path, hf_shape, to_ours=_same, to_hf=_same, when=lambda c: True):
-    return _Weight(hf_name, tuple(path.split(".")), hf_shape, to_ours, to_hf, when)
+def _w(hf_name, path, hf_shape, to_ours=_same, to_hf=_same, when=lambda c: True, kind=None):
+    return _Weight(hf_name, tuple(path.split(".")), hf_shape, to_ours, to_hf, when, kind)
+
+
+def _mlp(prefix, path, width, when, kind):
+    """The three SwiGLU projections (HF [out, in] <-> ours [in, out])."""
+    return (
+        _w(prefix + "gate_proj.weight", path + ".gate_proj", lambda c: (width(c), c.hidden_size),
+           _transpose, _transpose, when=when, kind=kind),
+        _w(prefix + "up_proj.weight", path + ".up_proj", lambda c: (width(c), c.hidden_size),
+           _transpose, _transpose, when=when, kind=kind),
+        _w(prefix + "down_proj.weight", path + ".down_proj", lambda c: (c.hidden_size, width(c)),
+           _transpose, _transpose, when=when, kind=kind),
+    )
 
 
 _LAYER = "model.layers.{i}."
@@ -231,26 +296,41 @@ _WEIGHTS = (
        lambda c: (c.head_dim,), when=lambda c: c.qk_norm),
     _w(_LAYER + "self_attn.k_norm.weight", "layers.self_attn.k_norm.scale",
        lambda c: (c.head_dim,), when=lambda c: c.qk_norm),
-    _w(_LAYER + "mlp.gate_proj.weight", "layers.mlp.gate_proj",
-       lambda c: (c.intermediate_size, c.hidden_size), _transpose, _transpose),
-    _w(_LAYER + "mlp.up_proj.weight", "layers.mlp.up_proj",
-       lambda c: (c.intermediate_size, c.hidden_size), _transpose, _transpose),
-    _w(_LAYER + "mlp.down_proj.weight", "layers.mlp.down_proj",
-       lambda c: (c.hidden_size, c.intermediate_size), _transpose, _transpose),
+    # the dense MLP (every layer of a dense model; an MoE model's mlp_only layers)
+    *_mlp(_LAYER + "mlp.", "layers.mlp", lambda c: c.intermediate_size,
+          lambda c: c.has_dense_mlp, "dense"),
+    # qwen3_moe: router gate.weight [E, H] <-> ours [H, E]; one tensor per expert and
+    # projection, as transformers writes them ("{j}" the expert: it fuses them only in memory)
+    _w(_LAYER + "mlp.gate.weight", "layers.moe.router", lambda c: (c.num_experts, c.hidden_size),
+       _transpose, _transpose, when=lambda c: c.is_moe, kind="sparse"),
+    *_mlp(_LAYER + "mlp.experts.{j}.", "layers.moe", lambda c: c.moe_intermediate_size,
+          lambda c: c.is_moe, "sparse"),
+    # an optional shared expert, under Qwen2-MoE's names
+    *_mlp(_LAYER + "mlp.shared_expert.", "layers.moe.shared_expert",
+          lambda c: c.shared_expert_intermediate_size,
+          lambda c: c.is_moe and c.shared_expert_intermediate_size > 0, "sparse"),
+    _w(_LAYER + "mlp.shared_expert_gate.weight", "layers.moe.shared_expert_gate",
+       lambda c: (1, c.hidden_size), _transpose, _transpose,
+       when=lambda c: c.is_moe and c.shared_expert_intermediate_size > 0, kind="sparse"),
 )
 
 
-def _expected(config: ModelConfig) -> dict[str, tuple[_Weight, int | None]]:
-    """HF tensor name -> (table entry, layer index or None) for this config."""
+def _expected(config: ModelConfig) -> dict[str, tuple[_Weight, tuple[int, ...]]]:
+    """HF tensor name -> (table entry, its index in our stacked param: (layer,), (layer,
+    expert) or ()) for this config."""
     out = {}
     for w in _WEIGHTS:
         if not w.when(config):
             continue
-        if w.per_layer:
-            for i in range(config.num_layers):
-                out[w.hf_name.format(i=i)] = (w, i)
+        if w.per_expert:
+            for i in w.layers(config):
+                for j in range(config.num_experts):
+                    out[w.hf_name.format(i=i, j=j)] = (w, (i, j))
+        elif w.per_layer:
+            for i in w.layers(config):
+                out[w.hf_name.format(i=i)] = (w, (i,))
         else:
-            out[w.hf_name] = (w, None)
+            out[w.hf_name] = (w, ())
     return out
 
 
@@ -383,7 +463,7 @@ def load_hf(
     attention_backend: str = "reference",
     shardings=None,
 ) -> Policy:
-    """Load a local HF Qwen3 / Llama-3 checkpoint directory into a Policy.
+    """Load a local HF Qwen3 / Llama-3 / Qwen3-MoE checkpoint directory into a Policy.
 
     dtype: "float32" | "bfloat16" | None (the checkpoint's dtype if one of those, else
     float32). shardings: None, one `jax.sharding.Sharding` for every param, or a pytree
@@ -394,18 +474,22 @@ def load_hf(
     config, files = _inspect(path, dtype, attention_backend)
     expected = _expected(config)
 
-    # Read each file once, convert into our layout and dtype, stack layers.
+    # Read each file once, convert into our layout and dtype, straight into the stacked
+    # arrays (a model mixing dense and sparse layers keeps zeros where a layer has none).
     np_dtype = _NP_DTYPES[config.dtype]
-    by_path: dict[tuple[str, ...], list] = {}
+    abstract = Policy.abstract(config)
+    shapes = {param_path(kp): tuple(leaf.shape)
+              for kp, leaf in jax.tree_util.tree_flatten_with_path(abstract.params)[0]}
+    by_path: dict[tuple[str, ...], np.ndarray] = {}
     for file in sorted({files[name] for name in expected}):
         with _open(file) as f:
-            for name, (w, layer) in expected.items():
+            for name, (w, index) in expected.items():
                 if files[name] != file:
                     continue
                 value = np.asarray(w.to_ours(f.get_tensor(name), config), dtype=np_dtype)
-                slot = by_path.setdefault(w.path, [None] * config.num_layers if w.per_layer else [None])
-                slot[layer if w.per_layer else 0] = value
-    abstract = Policy.abstract(config)
+                if w.path not in by_path:
+                    by_path[w.path] = np.zeros(shapes[w.path], np_dtype)
+                by_path[w.path][index] = value
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract.params)
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
         targets = [shardings] * len(leaves)
@@ -415,8 +499,9 @@ def load_hf(
             raise ValueError(f"shardings has {len(targets)} leaves; the params have {len(leaves)}")
     values = []
     for (keypath, leaf), target in zip(leaves, targets):
-        parts = by_path[param_path(keypath)]
-        value = np.stack(parts) if len(parts) > 1 or leaf.ndim > parts[0].ndim else parts[0]
+        value = by_path.get(param_path(keypath))
+        if value is None:  # a dense model's stacked param no layer of the checkpoint has
+            value = np.zeros(leaf.shape, np_dtype)
         assert value.shape == leaf.shape, (keypath, value.shape, leaf.shape)
         if target is not None and not target.is_fully_addressable:
             # Multi-host: build only this process's shards (device_put would all-gather to compare).
@@ -514,7 +599,8 @@ def save_char_tokenizer(path, tokens, *, bos_id: int | None, eos_id: int, pad_id
 def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30, source=None,
             special: SpecialTokens | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past max_shard_bytes)
-    that `transformers` loads as Qwen3ForCausalLM / LlamaForCausalLM.
+    that `transformers` loads as Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM
+    (one tensor per expert, the names transformers writes).
 
     source: the HF directory the policy came from; its tokenizer files and
     generation_config.json are copied and its bos/eos/pad ids written into config.json,
@@ -532,10 +618,11 @@ def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30, source=No
         for kp, leaf in jax.tree_util.tree_flatten_with_path(policy.params)[0]
     }
     tensors = {}
-    for name, (w, layer) in _expected(config).items():
-        value = np.asarray(jax.device_get(flat[w.path]))
-        value = value[layer] if w.per_layer else value
-        tensors[name] = np.ascontiguousarray(w.to_hf(value, config))
+    host = {}
+    for name, (w, index) in _expected(config).items():
+        if w.path not in host:
+            host[w.path] = np.asarray(jax.device_get(flat[w.path]))
+        tensors[name] = np.ascontiguousarray(w.to_hf(host[w.path][index], config))
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

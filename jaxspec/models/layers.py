@@ -22,6 +22,7 @@ from flax import nnx
 from jaxspec.kernels import WithAncestors, layer_array, tree_attention
 from jaxspec.kernels.invariant import invariant_attention, invariant_dot, round_to, tree_sum, uncontracted
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.moe import MoE
 
 INIT_STD = 0.02  # HF initializer_range
 
@@ -222,8 +223,12 @@ class DecoderLayer(nnx.Module):
         self.hidden_norm = RMSNorm(h, eps=eps, dtype=dtype, invariant=inv) if embed_input else None
         self.self_attn = Attention(config, in_features=2 * h if embed_input else h, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, eps=eps, dtype=dtype, invariant=inv)
+        self.sparse = config.sparse_layers
+        # qwen3_moe: the experts (jaxspec.models.moe); a model mixing dense and sparse layers
+        # stacks both MLPs in every layer, each layer running its own kind (`feed_forward`)
         self.mlp = MLP(h, config.intermediate_size, dtype=dtype, rngs=rngs,
-                       invariant=config.batch_invariant)
+                       invariant=config.batch_invariant) if config.has_dense_mlp else None
+        self.moe = MoE(config, rngs=rngs) if config.is_moe else None
 
     def attention_input(
         self,
@@ -234,13 +239,44 @@ class DecoderLayer(nnx.Module):
             return self.input_layernorm(x)
         return jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(x)], axis=-1)
 
+    def feed_forward(
+        self,
+        h,  # [B, T, H] post-attention-normed
+        index=None,  # int32 scalar: this layer's index (decides dense vs sparse when mixed)
+    ):  # -> (out [B, T, H], routing): routing (router logits [B,T,E] f32, experts [B,T,K]) or None
+        """The dense MLP, or the mixture of experts with its routing (dense layers of a mixed
+        model report logits 0 and experts -1)."""
+        if self.moe is None:
+            return self.mlp(h), None
+        if self.mlp is None:
+            out, logits, experts = self.moe(h)
+            return out, (logits, experts)
+        b, t, _ = h.shape
+        cfg = self.moe.config
+
+        def dense(h):
+            return (self.mlp(h).astype(h.dtype), jnp.zeros((b, t, cfg.num_experts), jnp.float32),
+                    jnp.full((b, t, cfg.num_experts_per_tok), -1, jnp.int32))
+
+        def sparse(h):
+            out, logits, experts = self.moe(h)
+            return out.astype(h.dtype), logits, experts
+
+        if index is None:
+            raise ValueError("a model mixing dense and sparse layers needs the layer index")
+        out, logits, experts = jax.lax.cond(jnp.asarray(self.sparse)[index], sparse, dense, h)
+        return out, (logits, experts)
+
     def finish(
         self,
         x,  # [B, T, H] the residual stream
         heads,  # [B, T, heads, head_dim] attention output before o_proj
-    ):  # -> [B, T, H] the layer's output
+        index=None,  # int32 scalar layer index (a model mixing dense and sparse layers)
+        routing: bool = False,  # also return the MoE routing (feed_forward)
+    ):  # -> [B, T, H] the layer's output (routing=True: (output, routing))
         x = x + self.self_attn.output(heads)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out, route = self.feed_forward(self.post_attention_layernorm(x), index)
+        return (x + out, route) if routing else x + out
 
     def __call__(
         self,
@@ -252,9 +288,12 @@ class DecoderLayer(nnx.Module):
         mask,  # [B, T, T] bool
         embeds=None,  # [B, T, H] token embeddings (embed_input layers only)
         thread: bool = False,
+        index=None,  # int32 scalar layer index (a model mixing dense and sparse layers)
+        routing: bool = False,
     ):
         """Returns (x_out [B, T, H], k_new [B, T, kv_heads, head_dim], v_new); thread=True
-        appends (k_cache, v_cache) as the attention passed them on (kernels.tree_attention)."""
+        appends (k_cache, v_cache) as the attention passed them on (kernels.tree_attention);
+        routing=True appends the MoE routing (`feed_forward`; None for a dense layer)."""
         if (embeds is None) != (self.hidden_norm is None):
             raise ValueError("embeds is required by (and only by) a layer built with embed_input=True")
         q, k, v = self.self_attn.project(self.attention_input(x, embeds), positions)
@@ -264,6 +303,9 @@ class DecoderLayer(nnx.Module):
         if thread:
             heads, k_cache, v_cache = self.self_attn.attend(q, k, v, k_cache, v_cache, cache_lengths,
                                                             mask, positions, thread=True)
-            return self.finish(x, heads), k, v, k_cache, v_cache
-        heads = self.self_attn.attend(q, k, v, k_cache, v_cache, cache_lengths, mask, positions)
-        return self.finish(x, heads), k, v
+            out = (k, v, k_cache, v_cache)
+        else:
+            heads = self.self_attn.attend(q, k, v, k_cache, v_cache, cache_lengths, mask, positions)
+            out = (k, v)
+        x, route = self.finish(x, heads, index, routing=True)
+        return (x, *out, route) if routing else (x, *out)

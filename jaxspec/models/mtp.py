@@ -61,7 +61,8 @@ class MTPHead:
     @staticmethod
     def init_for(policy, key: jax.Array) -> "MTPHead":
         pc = policy.config
-        cfg = MTPConfig(layer=pc.replace(num_layers=1), capture_layers=(pc.num_layers - 1,))
+        cfg = MTPConfig(layer=pc.without_experts().replace(num_layers=1),
+                        capture_layers=(pc.num_layers - 1,))
         return MTPHead.init_for_config(cfg, key)
 
     @staticmethod

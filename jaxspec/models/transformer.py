@@ -91,7 +91,8 @@ class Transformer(nnx.Module):
         layer_params: tuple | None = None,  # per-layer params (Policy.unstack_layers): unrolled
     ):
         """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new,
-        k_cache, v_cache); head=False returns the final-normed hidden states [B,T,H] in place
+        k_cache, v_cache, routing); routing is None for a dense model, else {"router_logits":
+        [L,B,T,E] f32, "experts": [L,B,T,K] int32} (jaxspec.models.moe); head=False returns the final-normed hidden states [B,T,H] in place
         of the logits. The caches come back unchanged in value; write into these (the unrolled
         layers pass them on through each attention, so XLA keeps one buffer)."""
         x = self.embed(tokens)
@@ -102,54 +103,62 @@ class Transformer(nnx.Module):
         captured = jnp.zeros((len(capture),) + x.shape, x.dtype)
         capture_ids = jnp.asarray(capture, jnp.int32)
 
+        routed = self.config.is_moe
+
         # Each layer is rematerialised in the backward (a no-op without differentiation): a
         # training step stores one [B, T, H] input per layer, not every layer's internals.
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def run_layer(x, captured, params, index, k_stack, v_stack):
-            """-> (x, captured, k_new, v_new, k_stack, v_stack): the stacks as the layer's
-            attention passed them on (thread=True; see kernels.blocked)."""
+            """-> (x, captured, k_new, v_new, k_stack, v_stack, routing): the stacks as the
+            layer's attention passed them on (thread=True; see kernels.blocked); routing the
+            MoE layer's (router logits, experts), or None."""
             layer = nnx.merge(layer_def, params)
             # The stacked cache and the layer index, unsliced: the attention reads only the
             # blocks it needs (a sliced layer would be copied whole every step).
-            x, k_new, v_new, k_layer, v_layer = layer(
-                x, positions, CacheLayer(k_stack, index), CacheLayer(v_stack, index),
-                cache_lengths, mask, thread=True)
+            out = layer(x, positions, CacheLayer(k_stack, index), CacheLayer(v_stack, index),
+                        cache_lengths, mask, thread=True, index=index, routing=routed)
+            x, k_new, v_new, k_layer, v_layer = out[:5]
             if capture:
                 hit = (capture_ids == index)[:, None, None, None]
                 captured = jnp.where(hit, x[None], captured)
-            return x, captured, k_new, v_new, k_layer.stack, v_layer.stack
+            return x, captured, k_new, v_new, k_layer.stack, v_layer.stack, out[5] if routed else None
 
         if unstacked is not None:  # unrolled over per-layer arrays
             # Each layer and then the cache write go on with the stacks the previous attention
             # returned: one chain of uses of one buffer, so XLA copies no whole cache per layer
             # per step.
-            k_out, v_out = [], []
+            k_out, v_out, routes = [], [], []
             for index, params in enumerate(unstacked):
-                x, captured, k_layer, v_layer, k_cache, v_cache = run_layer(
+                x, captured, k_layer, v_layer, k_cache, v_cache, route = run_layer(
                     x, captured, params, jnp.int32(index), k_cache, v_cache)
                 k_out.append(k_layer)
                 v_out.append(v_layer)
+                routes.append(route)
             k_new, v_new = jnp.stack(k_out), jnp.stack(v_out)
+            routing = jax.tree.map(lambda *r: jnp.stack(r), *routes) if routed else None
         else:  # one scan, the stacks in its carry as each layer's attention passed them on
             # (read as closure constants, a kernel that passes them on, aliased, would have
             # XLA copy the whole stack for every layer: the scan needs them unchanged)
             def body(carry, xs):
-                x, captured, k_new, v_new, k_stack, v_stack = run_layer(*carry[:2], *xs, *carry[2:])
-                return (x, captured, k_stack, v_stack), (k_new, v_new)
+                x, captured, k_new, v_new, k_stack, v_stack, route = run_layer(
+                    *carry[:2], *xs, *carry[2:])
+                return (x, captured, k_stack, v_stack), (k_new, v_new, route)
 
             indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            (x, captured, k_cache, v_cache), (k_new, v_new) = jax.lax.scan(
+            (x, captured, k_cache, v_cache), (k_new, v_new, routing) = jax.lax.scan(
                 body, (x, captured, k_cache, v_cache), (layer_params, indices)
             )
+        if routed:
+            routing = {"router_logits": routing[0], "experts": routing[1]}
         x = self.norm(x)
-        return (self.logits(x) if head else x), captured, k_new, v_new, k_cache, v_cache
+        return (self.logits(x) if head else x), captured, k_new, v_new, k_cache, v_cache, routing
 
 
 # --------------------------------------------------------------------------- policy
 
 
-@functools.partial(jax.jit, static_argnames=("capture", "head"))
-def _forward(policy, tokens, positions, cache, mask, capture, head=True):
+@functools.partial(jax.jit, static_argnames=("capture", "head", "routing"))
+def _forward(policy, tokens, positions, cache, mask, capture, head=True, routing=False):
     model = nnx.merge(policy.graphdef, policy.params)
     cfg = policy.config
     b, t = tokens.shape
@@ -161,15 +170,16 @@ def _forward(policy, tokens, positions, cache, mask, capture, head=True):
         k_cache, v_cache, lengths = cache.k, cache.v, cache.lengths
     s = k_cache.shape[2]
     valid, mask = new_token_mask(positions, mask)
-    logits, captured, k_new, v_new, k_cache, v_cache = model(
+    logits, captured, k_new, v_new, k_cache, v_cache, route = model(
         tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture, head,
         layer_params=policy.layer_params,
     )
     captured = {layer: captured[i] for i, layer in enumerate(capture)}
+    extra = (route,) if routing else ()
     if cache is None:
-        return logits, captured, None
+        return logits, captured, None, *extra
     cache = dataclasses.replace(cache, k=k_cache, v=v_cache)
-    return logits, captured, cache.write(k_new, v_new, valid).advance(valid)
+    return logits, captured, cache.write(k_new, v_new, valid).advance(valid), *extra
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -343,8 +353,13 @@ class Policy:
         mask=None,  # [B, T, T] bool among the new tokens; default causal
         capture: tuple[int, ...] = (),
         head: bool = True,
+        routing: bool = False,
     ):
-        """-> (logits [B,T,V] float32, {layer: hidden [B,T,H]}, cache).
+        """-> (logits [B,T,V] float32, {layer: hidden [B,T,H]}, cache); routing=True (an MoE
+        policy only) appends {"router_logits": [L,B,T,E] float32, "experts": [L,B,T,K]
+        int32}: every layer's router logits and chosen experts (a dense layer of a model
+        mixing both reports 0 and -1), for the router losses and the routing metrics
+        (jaxspec.models.moe).
 
         head=False returns the final-normed hidden states [B,T,H] instead of the logits, for
         losses fused with the LM head (jaxspec.rl.chunked).
@@ -358,10 +373,13 @@ class Policy:
         TF32 (`matmul_precision`).
         """
         with matmul_precision(self.config.dtype):
-            return self._forward(tokens, positions, cache, mask=mask, capture=capture, head=head)
+            return self._forward(tokens, positions, cache, mask=mask, capture=capture, head=head,
+                                 routing=routing)
 
-    def _forward(self, tokens, positions, cache, *, mask, capture, head):
+    def _forward(self, tokens, positions, cache, *, mask, capture, head, routing=False):
         cfg = self.config
+        if routing and not cfg.is_moe:
+            raise ValueError(f"forward(routing=True): family {cfg.family!r} has no experts")
         if self.layer_params is None and self.stacked_layers_dropped:
             raise ValueError("forward: this policy's stacked layer weights were dropped "
                              "(without_stacked_layers) and no per-layer weights are attached")
@@ -396,7 +414,7 @@ class Policy:
                         f"forward would write past the KV cache: rows {over.tolist()} need "
                         f"{need[over].tolist()} slots, max_len={cache.max_len}"
                     )
-        return _forward(self, tokens, positions, cache, mask, capture, bool(head))
+        return _forward(self, tokens, positions, cache, mask, capture, bool(head), bool(routing))
 
 
 jax.tree_util.register_dataclass(Policy)
@@ -421,7 +439,9 @@ def random_policy(config: ModelConfig, seed: int = 0) -> Policy:
         elif "embed_tokens" in name:
             value = noise
         elif "down_proj" in name:
-            value = noise / np.sqrt(config.intermediate_size)
+            width = (config.shared_expert_intermediate_size if "shared_expert" in name
+                     else config.moe_intermediate_size if "moe" in name else config.intermediate_size)
+            value = noise / np.sqrt(width)
         elif "o_proj" in name:
             value = noise / np.sqrt(config.num_heads * config.head_dim)
         else:

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec import parallel
 from jaxspec.decoding.costs import measure_costs
 from jaxspec.decoding.engine import generate
-from jaxspec.rl.steps import score_rollouts
+from jaxspec.rl.steps import routing_mismatch_of, score_rollouts
 
 __all__ = ["Cluster", "host_arrays", "is_primary", "mesh_sizes"]
 
@@ -58,12 +58,13 @@ def mesh_sizes(mesh_cfg, n_generation: int, n_training: int) -> dict[str, tuple[
     that made them fit in training (with fsdp=-1 a model too large for one device stays
     sharded, and in a synchronous run the weight sync is the identity). When the generation
     group is too small for that (async runs), fsdp shrinks to what the group holds."""
+    expert = getattr(mesh_cfg, "expert", 1)  # both meshes keep it (see Cluster)
     sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
     fill = [axis for axis, size in sizes.items() if size == -1]
     if fill:  # (more than one -1 is make_mesh's error on the training sizes)
-        fixed = math.prod(size for size in sizes.values() if size != -1)
+        fixed = math.prod(size for size in sizes.values() if size != -1) * max(expert, 1)
         sizes[fill[0]] = max(n_training // fixed, 1)
-    fsdp = math.gcd(sizes["fsdp"], max(n_generation // sizes["tensor"], 1))
+    fsdp = math.gcd(sizes["fsdp"], max(n_generation // (sizes["tensor"] * max(expert, 1)), 1))
     return {"generation": (-1, fsdp, sizes["tensor"]),
             "training": (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)}
 
@@ -78,8 +79,11 @@ class Cluster:
         self.rules = mesh_cfg.rules
         self.score_options = dict(score_options or {})  # score_rollouts' chunk, micro_batch
         sizes = mesh_sizes(mesh_cfg, len(generation_devices), len(training_devices))
-        self.gen_mesh = parallel.make_mesh(*sizes["generation"], list(generation_devices))
-        self.train_mesh = parallel.make_mesh(*sizes["training"], list(training_devices))
+        expert = getattr(mesh_cfg, "expert", 1)  # the expert axis: the same in both roles
+        self.gen_mesh = parallel.make_mesh(*sizes["generation"], list(generation_devices),
+                                           expert=expert)
+        self.train_mesh = parallel.make_mesh(*sizes["training"], list(training_devices),
+                                             expert=expert)
 
     @classmethod
     def from_plan(cls, cfg, plan) -> Cluster:
@@ -181,6 +185,14 @@ class Cluster:
         rows, key = self._placed(rows, key)
         with jax.set_mesh(self.gen_mesh):
             return measure_costs(policy, drafter, prompts, rows=rows, key=key, **kwargs)
+
+    def routing_mismatch(self, policy, batch: Sequence) -> float:
+        """`steps.routing_mismatch_of` on the generation devices (the params that generated):
+        `batch` is (prompts, prompt lengths, tokens, lengths, Rollouts.routes), host arrays."""
+        arrays = parallel.shard_batch(tuple(np.asarray(x) for x in batch), self.gen_mesh,
+                                      self.rules)
+        with jax.set_mesh(self.gen_mesh):
+            return float(routing_mismatch_of(policy, *arrays)[0])
 
     def generate(self, policy, prompts, *, rows, key, **kwargs):
         """`jaxspec.decoding.generate` on the generation devices: `rows` (global rollout ids,

@@ -57,6 +57,12 @@ class GRPOConfig:
     reuse_tolerance: float = 1e-5
     reuse_on_mismatch: Literal["error", "recompute"] = "error"  # over tolerance: stop, or
     #                                                 recompute this step (and log it)
+    # MoE policies (model.family qwen3_moe; jaxspec.models.moe): coefficients of the router's
+    # load-balancing loss (transformers' definition, over every token of the training forward;
+    # its floor is num_experts_per_tok) and of the router z-loss, added to the GRPO loss.
+    # 0 = off (the usual choice in RL: the routing is the pretrained one).
+    router_aux_coef: float = 0.0
+    router_z_coef: float = 0.0
 
     def __post_init__(self):
         for name, registry in (("loss", LOSSES), ("advantage", ADVANTAGES)):
@@ -83,6 +89,8 @@ class GRPOConfig:
             "kl_coef": (lambda v: v >= 0, ">= 0"),
             "tis_cap": (lambda v: v > 0, "> 0"),
             "reuse_tolerance": (lambda v: v >= 0, ">= 0 (0: bitwise)"),
+            "router_aux_coef": (lambda v: v >= 0, ">= 0 (0: off)"),
+            "router_z_coef": (lambda v: v >= 0, ">= 0 (0: off)"),
         }
         for name, (ok, valid) in ranges.items():
             value = getattr(self, name)

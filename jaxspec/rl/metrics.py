@@ -51,6 +51,9 @@ def step_metrics(batch, grpo_metrics: dict, draft_metrics: dict, *,
         m["generation_plain_time_s"] = float(batch.plain_time_s)
         m["generation_speedup"] = float(batch.plain_time_s) / max(float(stats.wall_time_s), 1e-9)
         m["replay_identical"] = float(batch.replay_identical)
+    routing = float(getattr(batch, "routing_mismatch", math.nan))
+    if not math.isnan(routing):  # an MoE policy: generation vs training routing
+        m["moe/routing_mismatch"] = routing
     for k, v in grpo_metrics.items():
         m[f"grpo/{k}"] = float(v)
     for k, v in draft_metrics.items():

@@ -55,8 +55,8 @@ def _inspect_hf(key: str, path: str, dtype: str, backend: str) -> ModelConfig:
         return inspect_hf(path, dtype, attention_backend=backend)
     except (OSError, ValueError) as e:  # HFCheckpointError, UnsupportedModelError, missing files
         raise ConfigError(key, path, str(e),
-                          "a local HF Qwen3/Llama directory with config.json and complete "
-                          "*.safetensors") from None
+                          "a local HF Qwen3/Llama/Qwen3-MoE directory with config.json and "
+                          "complete *.safetensors") from None
 
 
 def inspect_mtp(path: str, model_config: ModelConfig) -> None:
@@ -318,10 +318,10 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
     meshes, sizes = {}, mesh_sizes(cfg.mesh, len(gen), len(train))
     for key, group in (("generation", gen), ("training", train)):
         try:
-            meshes[key] = parallel.make_mesh(*sizes[key], list(group))
+            meshes[key] = parallel.make_mesh(*sizes[key], list(group), expert=cfg.mesh.expert)
         except ValueError as e:
             raise ConfigError("mesh", {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp,
-                                       "tensor": cfg.mesh.tensor},
+                                       "expert": cfg.mesh.expert, "tensor": cfg.mesh.tensor},
                               f"{e} (the {key} group has {len(group)} devices)") from None
         rules = parallel.resolve_rules(cfg.mesh.rules)
         vocab_shards = math.prod(meshes[key].shape[ax] for ax in rules["vocab"] or ())
@@ -331,6 +331,17 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                               f"the policy's vocabulary ({vocab}) does not split into the "
                               f"{vocab_shards} shards of mesh.rules.vocab on the {key} devices",
                               f"sizes whose product divides {vocab}, or mesh.rules.vocab=null")
+        expert_shards = math.prod(meshes[key].shape[ax] for ax in rules["experts"] or ())
+        if model_config.is_moe and model_config.num_experts % expert_shards:
+            raise ConfigError("mesh.expert", cfg.mesh.expert,
+                              f"the policy's {model_config.num_experts} experts per layer do "
+                              f"not split into the {expert_shards} shards of "
+                              f"mesh.rules.experts on the {key} devices",
+                              f"a divisor of {model_config.num_experts}")
+        if not model_config.is_moe and cfg.mesh.expert > 1:
+            raise ConfigError("mesh.expert", cfg.mesh.expert,
+                              f"family {model_config.family!r} has no experts to split",
+                              "1 (an expert axis needs model.family qwen3_moe)")
         shards = meshes[key].shape["data"] * meshes[key].shape["fsdp"]
         if batch % shards:
             raise ConfigError("rollout.prompts_per_step", r.prompts_per_step,

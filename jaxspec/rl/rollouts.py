@@ -43,6 +43,9 @@ class RolloutBatch:
     stats: RolloutStats  # the generation's speculation counters
     plain_time_s: Any  # [] float32 plain generation of the same batch, NaN if not compared
     replay_identical: Any  # [] float32 fraction of rows equal to plain decoding, NaN if not
+    # [] float32 an MoE policy: fraction of fed rollout tokens whose experts differ between
+    # the generation forward and the training forward (same params); NaN for a dense policy
+    routing_mismatch: Any = np.float32(np.nan)
 
     def host(self) -> RolloutBatch:
         return jax.tree.map(np.asarray, self)
@@ -65,7 +68,8 @@ def abstract_batch(batch: int, prompt_len: int, new: int, depth: int,
                         gen_logprobs=s((batch, new), f32), rewards=s((batch,), f32),
                         ended=s((batch,), np.dtype(np.bool_)),
                         version=s((), i32), step=s((), i32), stats=stats,
-                        plain_time_s=s((), f32), replay_identical=s((), f32))
+                        plain_time_s=s((), f32), replay_identical=s((), f32),
+                        routing_mismatch=s((), f32))
 
 
 def encode_prompts(tokenizer, texts: Sequence[str], prompt_len: int
@@ -271,6 +275,10 @@ class RolloutWorker:
             identical = float(np.mean(np.all(
                 (np.asarray(plain.tokens) == np.asarray(out.tokens)), axis=1)
                 & (np.asarray(plain.lengths) == np.asarray(out.lengths))))
+        routing = math.nan
+        if out.routes is not None:  # generation's routing against the training forward's
+            routing = self.cluster.routing_mismatch(policy, (prompts, lengths, out.tokens,
+                                                             out.lengths, out.routes))
         with timer.stage("reward"):
             tokens, gen_lengths = np.asarray(out.tokens), np.asarray(out.lengths)
             rewards = self.rewards(examples, tokens, gen_lengths)
@@ -279,7 +287,8 @@ class RolloutWorker:
             gen_logprobs=np.asarray(out.logprobs), rewards=rewards,
             ended=self.ended(tokens, gen_lengths),
             version=np.int32(state.completed), step=np.int32(step), stats=out.stats,
-            plain_time_s=np.float32(plain_time), replay_identical=np.float32(identical)).host()
+            plain_time_s=np.float32(plain_time), replay_identical=np.float32(identical),
+            routing_mismatch=np.float32(routing)).host()
 
     def compile(self, state: RunState) -> None:
         """Compile speculative (and, when compared, plain) generation on the real shapes, so

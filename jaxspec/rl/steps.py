@@ -12,6 +12,7 @@ import optax
 
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models import Policy
+from jaxspec.models.moe import load_balancing_loss, router_z_loss, routing_mismatch
 from jaxspec.rl import chunked
 from jaxspec.rl.chunked import lm_head, token_logprobs
 from jaxspec.rl.draft import TargetHead, draft_train_step, mtp_train_step
@@ -24,6 +25,7 @@ __all__ = [
     "make_optimizer",
     "mtp_update",
     "policy_update",
+    "routing_mismatch_of",
     "sampling_of",
     "score_rollouts",
 ]
@@ -102,16 +104,8 @@ def score_rollouts(
     `recompute=False` (grpo.reuse_generation_logprobs, once a check found them exact): the
     old-policy log-probs are the generator's, no entropy is returned (the training forward
     logs it), and the policy forward runs only when `capture` needs its features."""
-    p = prompts.shape[1]
     n = tokens.shape[1]
-    idx = jnp.arange(p + n, dtype=jnp.int32)[None, :]
-    off = idx - prompt_lengths[:, None]  # offset into the rollout
-    in_prompt = idx < prompt_lengths[:, None]
-    response = (off >= 0) & (off < lengths[:, None])
-    prompt_wide = jnp.pad(prompts, ((0, 0), (0, n)))
-    rollout_tok = jnp.take_along_axis(tokens, jnp.clip(off, 0, n - 1), axis=1)
-    seq = jnp.where(in_prompt, prompt_wide, jnp.where(response, rollout_tok, 0))
-    positions = jnp.where(in_prompt | response, idx, -1)
+    seq, positions, response, off = _pack(prompts, prompt_lengths, tokens, lengths)
     mask = jnp.roll(response, -1, axis=1).at[:, -1].set(False)
     gen_lp = jnp.where(mask, jnp.take_along_axis(gen_logprobs, jnp.clip(off + 1, 0, n - 1), axis=1), 0.0)
 
@@ -145,6 +139,43 @@ def score_rollouts(
             "gen_logprobs": gen_lp, **out}
 
 
+def _pack(prompts, prompt_lengths, tokens, lengths):
+    """Prompt + rollout as [B, T = P + N] sequences, right-padded: (tokens, positions (-1 on
+    padding), response (token t is a rollout token), offset of t into the rollout)."""
+    p, n = prompts.shape[1], tokens.shape[1]
+    idx = jnp.arange(p + n, dtype=jnp.int32)[None, :]
+    off = idx - prompt_lengths[:, None]  # offset into the rollout
+    in_prompt = idx < prompt_lengths[:, None]
+    response = (off >= 0) & (off < lengths[:, None])
+    prompt_wide = jnp.pad(prompts, ((0, 0), (0, n)))
+    rollout_tok = jnp.take_along_axis(tokens, jnp.clip(off, 0, n - 1), axis=1)
+    seq = jnp.where(in_prompt, prompt_wide, jnp.where(response, rollout_tok, 0))
+    return seq, jnp.where(in_prompt | response, idx, -1), response, off
+
+
+@jax.jit
+def routing_mismatch_of(
+    policy: Policy,  # an MoE policy
+    prompts,  # [B, P] int32 right-padded
+    prompt_lengths,  # [B] int32
+    tokens,  # [B, N] int32 generated
+    lengths,  # [B] int32
+    routes,  # [B, N, L, K] int32 the generation's experts per token (Rollouts.routes; -1: not fed)
+):  # -> (fraction of counted tokens whose experts differ, counted tokens)
+    """Routing consistency: the training forward (the logprob stage's packing and forward)
+    over the rollouts, against the experts each rollout token was routed to in the
+    generation forward that fed it; a token counts when it was fed (every rollout token but
+    the last) and differs when its expert set differs in any sparse layer."""
+    n = tokens.shape[1]
+    seq, positions, response, off = _pack(prompts, prompt_lengths, tokens, lengths)
+    _, _, _, routing = policy.forward(seq, positions, head=False, routing=True)
+    gen = jnp.take_along_axis(routes, jnp.clip(off, 0, n - 1)[:, :, None, None], axis=1)
+    gen = jnp.transpose(gen, (2, 0, 1, 3))  # [L, B, T, K]
+    fed = response & jnp.any(gen >= 0, axis=(0, 3))
+    mismatch = routing_mismatch(routing["experts"], gen, policy.config.sparse_layers, fed)
+    return mismatch, jnp.sum(fed)
+
+
 POLICY_INPUTS = ("tokens", "positions", "mask", "logprobs", "gen_logprobs", "entropy",
                  "ref_logprobs")  # what the policy update reads of the logprob stage
 _MIN_KEYS = ("ratio_min",)
@@ -173,16 +204,24 @@ def policy_update(
     data = jax.tree.map(lambda x: x.reshape((minibatches, -1) + x.shape[1:]), data)
     micro = _micro(data["tokens"].shape[1], grpo_cfg.micro_batch)
 
+    moe = policy.config.is_moe
+
     def loss_fn(params, mb, denominator=None):
         current = policy.replace(params=params)
-        hidden, _, _ = current.forward(mb["tokens"], mb["positions"], head=False)
+        hidden, _, _, *routing = current.forward(mb["tokens"], mb["positions"], head=False,
+                                                 routing=moe)
         lp, entropy = _token_logprobs(current, hidden, mb["tokens"], sampling, filtered,
                                       grpo_cfg.logprob_chunk)
         # without a scoring forward (reused generation log-probs) the training forward's
         # entropy is logged: at the first minibatch the same params, so the same values
-        return grpo_loss(lp, mb["logprobs"], mb.get("ref_logprobs"), mb["advantages"],
-                         mb["mask"], grpo_cfg, gen_logprobs=mb["gen_logprobs"],
-                         entropy=mb.get("entropy", entropy), denominator=denominator)
+        loss, metrics = grpo_loss(lp, mb["logprobs"], mb.get("ref_logprobs"), mb["advantages"],
+                                  mb["mask"], grpo_cfg, gen_logprobs=mb["gen_logprobs"],
+                                  entropy=mb.get("entropy", entropy), denominator=denominator)
+        if moe:  # each micro-batch adds its share (rows) of the router losses
+            share = 1.0 if denominator is None else micro / data["tokens"].shape[1]
+            loss, metrics = _router_losses(loss, metrics, routing[0], mb["positions"] >= 0,
+                                           policy.config, grpo_cfg, share)
+        return loss, metrics
 
     def grad_fn(params, mb):
         if not micro:
@@ -220,6 +259,21 @@ def policy_update(
     params, opt_state = _keep_if_finite(flags, (params, new_opt_state), (policy.params, opt_state))
     out.update({k: f for k, f in zip(FINITE_KEYS, flags, strict=True)})
     return policy.replace(params=params), opt_state, out
+
+
+def _router_losses(loss, metrics, routing, tokens, config, grpo_cfg, share):
+    """The GRPO loss plus router_aux_coef x the load-balancing loss and router_z_coef x the
+    z-loss over the forward's real tokens (`tokens` [B, T] bool); both logged."""
+    aux = load_balancing_loss(routing["router_logits"], config.num_experts_per_tok,
+                              config.sparse_layers, tokens)
+    z = router_z_loss(routing["router_logits"], config.sparse_layers, tokens)
+    if grpo_cfg.router_aux_coef > 0:
+        loss = loss + share * grpo_cfg.router_aux_coef * aux
+    if grpo_cfg.router_z_coef > 0:
+        loss = loss + share * grpo_cfg.router_z_coef * z
+    metrics = dict(metrics, loss=jax.lax.stop_gradient(loss), router_aux_loss=
+                   jax.lax.stop_gradient(aux), router_z_loss=jax.lax.stop_gradient(z))
+    return loss, metrics
 
 
 def _combine_micro(metrics: dict) -> dict:

@@ -18,6 +18,7 @@ Modules:
     scripts: `scripts/*.py` loaded as modules for in-process runs.
     rl: the short tiny GRPO config, the session's warmed-up base, and run comparisons.
     torch_mtp: an independent PyTorch MTP layer (needs torch).
+    hf_models: O(1) random weights for tiny transformers models (needs torch).
     multiprocess_sharding, multiprocess_grpo: worker processes of the multi-process tests
         (`python -m jaxspec.testing.<name> ...`); multiprocess_grpo also launches its runs
         and compares them (tests/rl/test_multiprocess_grpo.py, test_multiprocess_history.py).

@@ -15,7 +15,10 @@ logprob stage, policy and online draft updates, a checkpoint after every step):
   two-process run's checkpoint of step STEPS - 1 and runs the last step (`resume_here`);
 - MODE resume: the last process gets a SIGTERM after step STEPS - 1; all processes stop
   there together (faults.StopSignals agrees on it), then a new trainer resumes from the
-  checkpoint they wrote and runs the last step.
+  checkpoint they wrote and runs the last step;
+- MODE moe: MOE_STEPS steps in one go of a mixture-of-experts policy (MOE: 4 experts, top-2)
+  on the expert-parallel mesh MOE_MESH (data across the processes, the experts split in
+  two inside each).
 
 KEY=VALUE are config overrides on top of the test's (e.g. draft.kind=history,
 tests/rl/test_multiprocess_history.py). After every step each process gathers the state
@@ -47,6 +50,11 @@ MESH = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2"]  # data across processes,
 # the tiny config shortened; the comparison's settings are tests/parallel/test_train_step.py's (vocabulary
 # rows replicated: 25 tokens do not split over tensor=2; AdamW eps 1e-5 so fp32 rounding
 # of near-zero gradients is not amplified)
+MOE_STEPS = 2
+MOE_MESH = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=2"]
+MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+       "model.moe_intermediate_size=64", "model.norm_topk_prob=true", "model.tie_embeddings=false",
+       "grpo.router_aux_coef=0.01", "warmup.steps=30"]
 OVERRIDES = [
     "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
     "warmup.steps=60", "warmup.batch_size=32", "warmup.draft_rollouts=8",
@@ -142,7 +150,10 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
 
     lines = []
     log = lines.append
-    if mode == "straight":
+    if mode == "moe":
+        trainer = GRPOTrainer(config(MOE_STEPS, *MOE, *MOE_MESH), log=log, devices=devices)
+        trainer.run(on_step=on_step(trainer))
+    elif mode == "straight":
         trainer = GRPOTrainer(config(STEPS), log=log, devices=devices)
         trainer.run(on_step=on_step(trainer))
         resume_here(workdir, config, devices, out)
@@ -164,7 +175,7 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
         resumed.run(on_step=on_step(resumed))
         trainer = resumed
     mesh = trainer.train_mesh
-    out["mesh_shape"] = np.asarray([mesh.shape[a] for a in ("data", "fsdp", "tensor")])
+    out["mesh_shape"] = np.asarray([mesh.shape[a] for a in ("data", "fsdp", "expert", "tensor")])
     out["mesh_processes"] = np.vectorize(lambda d: d.process_index)(mesh.devices)
     out["seconds"] = np.float64(time.perf_counter() - start)
     for i, b in enumerate(batches):
@@ -257,14 +268,19 @@ def metric_rows(results) -> list[dict]:
 
 def assert_two_equal_one(two: dict, one: dict) -> None:
     """The two-process run equals the one-process run on the same mesh (data across the
-    processes): every step's tokens, lengths and accepted drafts identical, generation
-    log-probs, state arrays and non-timing metrics within 1e-5 (relative above 1: the
-    tolerances of tests/parallel/test_train_step.py)."""
-    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 2])
-    np.testing.assert_array_equal(one["mesh_shape"], [2, 1, 2])
-    np.testing.assert_array_equal(two["mesh_processes"], [[[0, 0]], [[1, 1]]])  # data across
-    np.testing.assert_array_equal(one["mesh_processes"], np.zeros((2, 1, 2)))
-    for step in range(1, STEPS + 1):
+    processes, tensor inside each): `assert_same_runs` over STEPS steps."""
+    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 1, 2])  # data, fsdp, expert, tensor
+    np.testing.assert_array_equal(one["mesh_shape"], [2, 1, 1, 2])
+    np.testing.assert_array_equal(two["mesh_processes"], [[[[0, 0]]], [[[1, 1]]]])  # data across
+    np.testing.assert_array_equal(one["mesh_processes"], np.zeros((2, 1, 1, 2)))
+    assert_same_runs(two, one, STEPS)
+
+
+def assert_same_runs(two: dict, one: dict, steps: int) -> None:
+    """Every step's tokens, lengths and accepted drafts identical, generation log-probs,
+    state arrays and non-timing metrics within 1e-5 (relative above 1: the tolerances of
+    tests/parallel/test_train_step.py)."""
+    for step in range(1, steps + 1):
         for k in ("tokens", "lengths", "accepted_at"):
             np.testing.assert_array_equal(two[f"b{step}_{k}"], one[f"b{step}_{k}"], err_msg=(step, k))
         np.testing.assert_allclose(two[f"b{step}_gen_logprobs"], one[f"b{step}_gen_logprobs"],
@@ -274,7 +290,7 @@ def assert_two_equal_one(two: dict, one: dict) -> None:
         for k in keys:
             np.testing.assert_allclose(two[k], one[k], rtol=0, atol=1e-5, err_msg=k)
     rows_two, rows_one = metric_rows(two), metric_rows(one)
-    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2, 3]
+    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == list(range(1, steps + 1))
     for got, want in zip(rows_two, rows_one, strict=True):
         assert got.keys() == want.keys()
         for key, value in want.items():

@@ -15,16 +15,14 @@ from jaxspec.decoding.drafters import (
     DraftContext,
     DraftModelDrafter,
     Eagle3Drafter,
-    MTPDrafter,
     NGramDrafter,
     TreeSpec,
 )
 from jaxspec.decoding.engine import generate
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.eagle3 import Eagle3Head
-from jaxspec.models.mtp import MTPHead
+from jaxspec.testing.drafters import PROMPTS, every_drafter
 
-PROMPTS = [[5, 9, 13, 5, 9, 13, 5], [77, 3], [40, 41, 42, 43, 40, 41]]
 MAX_NEW = 14
 KEY = jax.random.key(11)
 
@@ -36,16 +34,7 @@ def policy():
 
 @pytest.fixture(scope="module")
 def drafters(policy):
-    small = Policy.init(ModelConfig.tiny("qwen3", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), jax.random.key(2))
-    head = Eagle3Head.init_for(policy, 96, jax.random.key(1))
-    return {
-        "ngram": NGramDrafter(k=3, min_n=1, max_n=2),
-        "draft_model": DraftModelDrafter(small, k=2),
-        "eagle3_chain": Eagle3Drafter(head, k=3),
-        "eagle3_tree": Eagle3Drafter(head, tree=TreeSpec(top_k=3, depth=3, budget=7)),
-        "self_draft": DraftModelDrafter(policy, k=3),
-        "mtp_chain": MTPDrafter(MTPHead.init_for(policy, jax.random.key(3)), k=2),
-    }
+    return {**every_drafter(policy), "self_draft": DraftModelDrafter(policy, k=3)}
 
 
 def _plain(policy, temperature, stops=()):

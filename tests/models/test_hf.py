@@ -18,6 +18,7 @@ from jaxspec.models import (
     save_hf,
 )
 from jaxspec.models.hf import config_from_hf
+from jaxspec.testing.hf_models import randomise
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -49,18 +50,8 @@ def _hf_model(name):
 
 
 def _randomise(model, seed):
-    """O(1) activations and logits; norm weights 1 + 0.3 N(0,1) so a wrong norm shows."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * noise)
-            elif "embed_tokens" in name:  # 0.4: tied logits of magnitude ~10, not ~40
-                p.copy_(0.4 * noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-    return model.eval()
+    """O(1) activations; embedding 0.4 N(0, 1): tied logits of magnitude ~10, not ~40."""
+    return randomise(model, seed, embed_scale=0.4)
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +241,7 @@ def test_missing_directory_or_files(tmp_path, ckpt):
 def test_unsupported_architecture(ckpt):
     _edit_config(ckpt, architectures=["MistralForCausalLM"], model_type="mistral")
     with pytest.raises(UnsupportedModelError, match=r"\['MistralForCausalLM'\].*supported: "
-                       r"\['LlamaForCausalLM', 'Qwen3ForCausalLM'\]"):
+                       r"\['LlamaForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
         load_hf(ckpt)
 
 

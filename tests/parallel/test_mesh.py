@@ -17,9 +17,9 @@ from jaxspec.models import KVCache
 )
 def test_make_mesh_shapes(sizes, shape):
     mesh = parallel.make_mesh(*sizes)
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert tuple(mesh.shape.values()) == shape
-    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 3
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+    assert tuple(mesh.shape.values()) == shape[:2] + (1,) + shape[2:]  # expert 1 by default
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 4
     # devices in the given order, tensor innermost
     np.testing.assert_array_equal(
         np.vectorize(lambda d: d.id)(mesh.devices).ravel(), [d.id for d in jax.devices()])
@@ -71,8 +71,9 @@ def test_logical_to_mesh_uses_each_mesh_axis_once():
     assert parallel.logical_to_mesh(parallel.KV_CACHE_AXES) == P(None, ("data", "fsdp"), None, "tensor", None)
     assert parallel.logical_to_mesh(("embed", "mlp")) == P("fsdp", "tensor")
     assert parallel.logical_to_mesh(("batch", None), {"batch": "data"}) == P("data", None)
-    with pytest.raises(ValueError, match="'experts' has no sharding rule"):
-        parallel.logical_to_mesh(("experts", "embed"))
+    assert parallel.logical_to_mesh(("experts", "embed", "mlp")) == P("expert", "fsdp", "tensor")
+    with pytest.raises(ValueError, match="'routers' has no sharding rule"):
+        parallel.logical_to_mesh(("routers", "embed"))
 
 
 def test_shard_batch_global_and_errors():

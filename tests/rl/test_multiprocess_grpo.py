@@ -40,6 +40,27 @@ def test_two_processes_equal_one_process(runs):
     worker.assert_two_equal_one(two, one)
 
 
+@pytest.mark.slow
+def test_two_processes_equal_one_process_on_an_moe_policy(tmp_path):
+    """An MoE policy with its experts split over an expert axis inside each process, rollout
+    rows over the processes: two processes equal one (the same comparison as above, fewer
+    steps, no preemption); routing is measured and speculation replays plain decoding."""
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one").mkdir()
+    procs = [(f"two processes, process {i}", p) for i, p in
+             enumerate(worker.launch(tmp_path / "two", 2, "moe"))]
+    procs.append(("one process", worker.launch(tmp_path / "one", 1, "moe")[0]))
+    worker.wait(procs)
+    with np.load(tmp_path / "two" / "moe.npz") as two, np.load(tmp_path / "one" / "moe.npz") as one:
+        two, one = dict(two), dict(one)
+    np.testing.assert_array_equal(two["mesh_shape"], [2, 1, 2, 1])
+    np.testing.assert_array_equal(two["mesh_processes"], [[[[0], [0]]], [[[1], [1]]]])
+    worker.assert_same_runs(two, one, worker.MOE_STEPS)
+    rows = metric_rows(one)
+    assert all(r["moe/routing_mismatch"] <= 0.05 and r["grpo/router_aux_loss"] > 1.5 for r in rows)
+    assert all(r["replay_identical"] == 1.0 for r in rows if "replay_identical" in r)
+
+
 def test_the_runs_train_and_speculate(runs):
     """The comparison is not vacuous: drafts were accepted, speculative decoding replayed
     plain decoding, and the policy and the head moved at every step."""
