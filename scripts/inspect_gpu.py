@@ -44,7 +44,8 @@ def _parse(argv):
                    help="comma list (default: decode,verify_k3,tree_n16,refill,eagle3_draft)")
     p.add_argument("--layer-loop", default=None, help="override model.layer_loop: auto, scan or unroll")
     p.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
-                   help="an XLA compile option for every program (repeatable)")
+                   help="an XLA compile option for every program (repeatable), on top of (and over) "
+                        "the ones the engine compiles with on a GPU (kernels.compiler_options)")
     p.add_argument("--json", default=None, help="write the reports here")
     p.add_argument("--hlo-dir", default=None, help="write each program's optimized HLO here")
     p.add_argument("overrides", nargs="*", help="config overrides a.b=c")

@@ -152,6 +152,54 @@ def test_negative_control_whole_operand_reads_are_charged_whole():
     assert cost.bytes == MATVEC + 3 * 1024 * 1024 * 2 - 4 + DUS + COPY + INNER
 
 
+# A split-K matmul's f32 partial sums [2, 4, 6] summed, rounded to bf16 and sliced by one
+# consumer (columns 0:4, as the q of a merged q/k/v projection): the fusion computes only
+# the [4, 4] it returns, so it reads 2 x 4 x 4 f32 of the partials, not all 2 x 4 x 6.
+SLICED_REDUCE = """HloModule sliced, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_q (p0: f32[2,4,6]) -> bf16[4,4] {
+  %p0 = f32[2,4,6]{2,1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %r = f32[4,6]{1,0} reduce(%p0, %zero), dimensions={0}, to_apply=%add
+  %c = bf16[4,6]{1,0} convert(%r)
+  ROOT %q = bf16[4,4]{1,0} slice(%c), slice={[0:4], [0:4]}
+}
+
+%fused_all (p0: f32[2,4,6]) -> bf16[4,6] {
+  %p0 = f32[2,4,6]{2,1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %r = f32[4,6]{1,0} reduce(%p0, %zero), dimensions={0}, to_apply=%add
+  %c = bf16[4,6]{1,0} convert(%r)
+  %q = bf16[4,4]{1,0} slice(%c), slice={[0:4], [0:4]}
+  %e = bf16[4,6]{1,0} exponential(%c)
+  ROOT %t = bf16[4,6]{1,0} negate(%e)
+}
+
+ENTRY %main (x: f32[2,4,6]) -> (bf16[4,4], bf16[4,6]) {
+  %x = f32[2,4,6]{2,1,0} parameter(0)
+  %q = bf16[4,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_q
+  %a = bf16[4,6]{1,0} fusion(%x), kind=kLoop, calls=%fused_all
+  ROOT %out = (bf16[4,4]{1,0}, bf16[4,6]{1,0}) tuple(%q, %a)
+}
+"""
+
+
+def test_a_slice_of_a_reduction_reads_only_its_part_of_the_operand():
+    """The q consumer of split-K partials reads the q columns (2 x 4 x 4 f32); a consumer
+    that also uses every element through elementwise ops reads them all (negative control)."""
+    cost = hlo.program_cost(hlo.parse(SLICED_REDUCE))
+    q = 2 * 4 * 4 * 4 + 4 * 4 * 2
+    whole = 2 * 4 * 6 * 4 + 4 * 6 * 2
+    assert cost.bytes == q + whole
+    assert cost.kernels == 2
+
+
 def test_unknown_trip_counts_are_counted_as_told_and_reported():
     text = FIXTURE.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
     (cost,) = hlo.loop_costs(hlo.parse(text), unknown_trip=lambda inst: 5)

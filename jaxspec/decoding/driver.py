@@ -33,7 +33,7 @@ from jaxspec.decoding.protocols import (
 )
 from jaxspec.decoding.slots import harvest
 from jaxspec.decoding.stats import Rollouts
-from jaxspec.kernels import platform
+from jaxspec.kernels import compiler_options, platform
 from jaxspec.models import KVCache
 
 FIRST_CAPACITY = 64  # cache slots of the first segment when the cache grows
@@ -91,9 +91,23 @@ def grow_state(state: LoopState, policy, drafter, *, capacity: int, pad_id: int,
             state.routes, pad + ((0, 0), (0, 0)), constant_values=-1))
 
 
-# state_in is donated: a later segment's loop takes over the grown state's buffers.
-@partial(jax.jit, static_argnames=("spec", "phase"), donate_argnames=("state_in",))
 def run_segment(inp: LoopInputs, state_in: LoopState | None, *, spec: LoopSpec, phase: str = "all"):
+    """`segment`, compiled with the target platform's XLA options (`kernels.compiler_options`:
+    on a GPU, room for the donated KV cache in XLA's rematerialization limit)."""
+    options = compiler_options()
+    key = tuple(sorted(options.items()))
+    program = _SEGMENTS.get(key)
+    if program is None:  # state_in is donated: a later segment's loop takes over its buffers
+        program = _SEGMENTS[key] = jax.jit(segment, static_argnames=("spec", "phase"),
+                                           donate_argnames=("state_in",),
+                                           compiler_options=options or None)
+    return program(inp, state_in, spec=spec, phase=phase)
+
+
+_SEGMENTS: dict = {}  # compiled `segment` per set of compile options
+
+
+def segment(inp: LoopInputs, state_in: LoopState | None, *, spec: LoopSpec, phase: str = "all"):
     """One segment: from `state_in` (None: the prefill), the loop of `phase` ("all": no
     adaptive k or no k = 0; "init": the prefill only; "draft" / "plain": adaptive k's
     phases). -> (state, Rollouts so far (None for "init"), `where_now` [3] bool)."""

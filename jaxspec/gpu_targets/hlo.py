@@ -10,7 +10,9 @@ fusion and scheduling, the kernels the device runs). `loop_costs(module)` then w
   whose computations are counted instead: a nested loop's body times its trip count, a call
   once, a conditional's costliest branch). Two refinements follow what the kernels read:
   a fusion operand that the fused computation only slices (dynamic-slice, slice, gather,
-  through bitcasts) is charged the slices' sizes, not the whole operand's; and a fusion
+  through bitcasts, elementwise ops and reductions: a fusion computes only its result's
+  elements, so a slice of `convert(reduce(p))` reads only that part of p) is charged the
+  slices' sizes, not the whole operand's; and a fusion
   whose result is a dynamic-update-slice or a scatter into an operand (updated in place) is
   charged the update's size for the write and nothing for that operand. Register- and cache-resident
   reuse is not modelled: a tensor read by two kernels is charged twice, as HBM would see it
@@ -55,6 +57,9 @@ _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "afte
          "send-done", "recv-done", "async-done", "async-update"}
 _CONTROL = {"while", "call", "conditional"}
 _SLICERS = {"dynamic-slice", "slice", "gather"}
+_ELEMENTWISE = {"convert", "negate", "abs", "exponential", "log", "rsqrt", "sqrt", "tanh",
+                "logistic", "add", "subtract", "multiply", "divide", "maximum", "minimum",
+                "compare", "select", "and", "or", "not"}
 _MOVERS = {"parameter", "bitcast", "copy", "transpose", "reshape", "dynamic-slice", "slice",
            "broadcast", "constant", "tuple", "get-tuple-element", "concatenate", "pad"}
 
@@ -262,21 +267,49 @@ def _fusion_bytes(module: Module, inst: Instruction, comp: Computation) -> int:
 
 def _read_bytes(fused: Computation, inst: Instruction) -> int:
     """Bytes of `inst` (a fused parameter) that the fusion reads: the slices taken of it
-    when slicing (through bitcasts) is all it is used for, else all of it."""
+    when slicing is all it is used for, through bitcasts, elementwise ops and reductions
+    (a fusion computes only the elements of its result, so a slice of `reduce(p)` or of
+    `convert(p)` reads only the matching part of p), else all of it."""
+    return int(inst.bytes * _read_fraction(fused, inst))
+
+
+def _dims(shape: str) -> str:
+    found = _ARRAY.findall(shape)
+    return found[0][1] if len(found) == 1 else shape
+
+
+def _elements(shape: str) -> int:
+    n = 1
+    for d in filter(None, _dims(shape).split(",")):
+        n *= int(d)
+    return n
+
+
+def _read_fraction(fused: Computation, inst: Instruction) -> float:
+    """The share of `inst`'s elements the fusion needs (1.0: all of them)."""
+    if inst.root:
+        return 1.0
     users = fused.users(inst.name)
-    if not users:
-        return 0
-    total = 0
+    total = 0.0
     for u in users:
+        first = u.operands[0] == inst.name
         if u.opcode == "bitcast":
-            total += _read_bytes(fused, u)
-        elif u.opcode in _SLICERS and u.operands[0] == inst.name:
-            total += u.bytes
-        elif u.opcode in ("dynamic-update-slice", "scatter") and u.operands[0] == inst.name:
+            total += _read_fraction(fused, u)
+        elif u.opcode in _SLICERS and first:
+            total += _elements(u.shape) / max(_elements(inst.shape), 1)
+        elif u.opcode in ("dynamic-update-slice", "scatter") and first:
             total += 0  # updated in place: not read
+        elif u.opcode == "reduce" and first and len(u.operands) == 2:
+            # Each result element reads the reduced dimensions of its own position: a share
+            # of the result needs the same share of the input.
+            total += _read_fraction(fused, u)
+        elif u.opcode in _ELEMENTWISE and _dims(u.shape) == _dims(inst.shape):
+            total += _read_fraction(fused, u)
         else:
-            return inst.bytes
-    return min(total, inst.bytes)
+            return 1.0
+        if total >= 1.0:
+            return 1.0
+    return total
 
 
 def _is_mover(module: Module, inst: Instruction) -> bool:

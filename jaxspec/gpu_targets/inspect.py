@@ -375,16 +375,19 @@ def _optim_spec(run):
 
 def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: str = "",
                     xla_options: dict | None = None) -> dict:
-    """Compiles `program` for `target` on `mesh` and returns its report (a JSON-able dict);
-    `xla_options`: extra XLA compile options (e.g. {"xla_gpu_enable_command_buffer": ""})."""
-    from jaxspec.kernels import target_platform
+    """Compiles `program` for `target` on `mesh` and returns its report (a JSON-able dict),
+    with the XLA options the engine compiles its programs with on a GPU
+    (`kernels.compiler_options`) and then `xla_options` (extra ones, e.g.
+    {"xla_gpu_enable_command_buffer": ""}; they override the engine's)."""
+    from jaxspec.kernels import compiler_options, target_platform
 
     gpu = gpu_targets.target(target)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump, target_platform("gpu"), jax.set_mesh(mesh):
+        options = {**compiler_options(), **(xla_options or {})}
         lowered = jax.jit(program.fn, donate_argnums=program.donate).trace(*program.args).lower(
             lowering_platforms=("cuda",))
-        compiled = lowered.compile(compiler_options={**(xla_options or {}), "xla_dump_to": dump})
+        compiled = lowered.compile(compiler_options={**options, "xla_dump_to": dump})
         thunks = sorted(pathlib.Path(dump).glob("*thunk_sequence_after_thunk_passes.txt"))
         thunk_text = thunks[-1].read_text() if thunks else ""
     seconds = time.perf_counter() - start
@@ -425,6 +428,7 @@ def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: s
             "total": per_device, "capacity": gpu.hbm_bytes},
         "largest_kernels": [{"bytes": b, "name": n, "op_name": o} for b, n, o in cost.largest],
         "compile_s": seconds,
+        "xla_options": options,
     }
     if program.flops:
         devices = report["devices"]

@@ -31,7 +31,7 @@ from jaxspec.kernels.blocked import (
     layer_array,
     tree_attention_blocked,
 )
-from jaxspec.kernels.platform import platform, target_platform
+from jaxspec.kernels.platform import compiler_options, platform, target_platform
 from jaxspec.kernels.reference import tree_attention_reference
 
 BACKENDS = ("auto", "reference", "pallas", "triton")
@@ -240,6 +240,7 @@ __all__ = [
     "BACKENDS",
     "CacheLayer",
     "WithAncestors",
+    "compiler_options",
     "jax_triton_available",
     "layer_array",
     "platform",

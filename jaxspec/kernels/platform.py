@@ -16,6 +16,17 @@ import jax
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
+# XLA options the decoding programs compile with on a GPU (`compiler_options`).
+# xla_gpu_memory_limit_slop_factor: the limit XLA's rematerialization pass works to, in
+# percent of its default base (default 95). Its live-memory estimate counts a donated
+# argument twice (as the argument and as the output aliased to it): a Qwen3-8B decode step
+# at batch 64 over a 2k cache (19.3 GB of KV) was estimated at 54 GiB against an H100 limit
+# of 46.9 GiB, although the compiled program needs 36 GB, and XLA recomputed the fused
+# q/k/v projections to get under it (reading their weights twice: 1.187x the HBM floor
+# instead of 1.126x; docs/results/gpu_programs.json). Doubling the limit leaves room for
+# the double-counted KV cache, whose real size is bounded by the device's memory.
+GPU_COMPILER_OPTIONS = {"xla_gpu_memory_limit_slop_factor": "200"}
+
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxspec_target_platform", default=None)
 
@@ -25,6 +36,13 @@ def platform() -> str:
     JAX's default backend."""
     target = _TARGET.get()
     return jax.default_backend() if target is None else target
+
+
+def compiler_options() -> dict[str, str]:
+    """The XLA compile options of the decoding programs on the target platform
+    (`GPU_COMPILER_OPTIONS` when it is "gpu", else none): the engine's jits and the GPU
+    inspector (jaxspec.gpu_targets) compile with exactly these."""
+    return dict(GPU_COMPILER_OPTIONS) if platform() == "gpu" else {}
 
 
 @contextlib.contextmanager
