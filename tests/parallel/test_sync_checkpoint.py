@@ -70,7 +70,7 @@ def test_checkpoint_restores_onto_a_different_mesh(tmp_path, policy):
             "key": state["key"], "step": 0,
         }
         restored, meta = manager.restore(7, target)
-        assert meta == {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}}
+        assert meta == {"mesh": {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}}
         assert restored["step"] == 7
         assert_on(restored["params"], shardings["params"])
         assert_on(restored["opt"], shardings["opt"])

@@ -92,7 +92,7 @@ def test_sharded_train_step_matches_one_device(reference, tmp_path, mesh_name):
 
     # really sharded: 8 devices, rollout rows over data x fsdp, every param (after the
     # updates) on its rule sharding, and the attention weights split over fsdp x tensor
-    assert trainer.train_mesh.shape == {"data": data, "fsdp": fsdp, "tensor": tensor}
+    assert trainer.train_mesh.shape == {"data": data, "fsdp": fsdp, "expert": 1, "tensor": tensor}
     assert trainer.gen_mesh.devices.size == 8
     tokens = trainer.last_scored["tokens"]  # [B, T] the logprob stage's packed rollouts
     assert tokens.sharding.is_equivalent_to(parallel.batch_sharding(trainer.train_mesh, 2), 2)
