@@ -15,12 +15,10 @@ import numpy as np
 import pytest
 
 from jaxspec.decoding import SamplingConfig, process_logits
-from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, MTPDrafter, NGramDrafter, TreeSpec
 from jaxspec.decoding.engine import generate
 from jaxspec.models import ModelConfig
-from jaxspec.models.eagle3 import Eagle3Head
-from jaxspec.models.mtp import MTPHead
 from jaxspec.models.transformer import random_policy
+from jaxspec.testing.drafters import every_drafter
 
 ROWS, TOKENS = 16, 16
 KEY = jax.random.key(7)
@@ -41,15 +39,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def drafters(policy):
-    small = random_policy(policy.config.replace(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), 2)
-    head = Eagle3Head.init_for(policy, 128, jax.random.key(1))
-    return {
-        "ngram": NGramDrafter(k=3, min_n=1, max_n=2),
-        "eagle3_chain": Eagle3Drafter(head, k=3),
-        "draft_model": DraftModelDrafter(small, k=3),
-        "eagle3_tree": Eagle3Drafter(head, tree=TreeSpec(top_k=3, depth=3, budget=7)),
-        "mtp_chain": MTPDrafter(MTPHead.init_for(policy, jax.random.key(3)), k=2),
-    }
+    return every_drafter(policy, draft_vocab=128)
 
 
 @pytest.fixture(scope="module")
