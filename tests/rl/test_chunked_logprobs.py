@@ -25,14 +25,25 @@ _SGD = optax.sgd(1.0)  # params move by the gradient itself: a gradient differen
 def _np_reference(h, w, targets, temperature, top_k=0, top_p=1.0):
     """float64 log p(target), entropy, p, kept of softmax(h @ w / T) restricted to the top-k /
     top-p set (a token is kept when fewer than k tokens are strictly larger and the tokens
-    strictly larger carry less than top_p of the top-k mass)."""
+    strictly larger carry less than top_p of the top-k mass). The counts and masses of the
+    strictly larger tokens come from each row sorted ascending (searchsorted past ties), so a
+    9000-token vocabulary needs no [V, V] comparison."""
     z = np.asarray(h, np.float64) @ np.asarray(w, np.float64) / (temperature or 1.0)
-    above = z[..., None, :] > z[..., :, None]  # [..., i, j]: z_j > z_i
-    kept = np.ones(z.shape, bool) if not top_k else above.sum(-1) < top_k
+    rows = z.reshape(-1, z.shape[-1])
+    order = np.sort(rows, axis=-1)
+    # per row: where each z_i's strictly larger tokens start in the ascending order
+    first_above = np.stack([np.searchsorted(o, r, side="right") for o, r in zip(order, rows)])
+    above_count = (rows.shape[-1] - first_above).reshape(z.shape)
+    kept = np.ones(z.shape, bool) if not top_k else above_count < top_k
     q = np.where(kept, np.exp(z - z.max(-1, keepdims=True)), 0.0)
     q /= q.sum(-1, keepdims=True)
-    if top_p < 1.0:
-        kept &= (np.where(above, q[..., None, :], 0.0).sum(-1) < top_p)
+    if top_p < 1.0:  # the kept mass of the strictly larger tokens: a suffix sum of the order
+        q_rows = q.reshape(-1, q.shape[-1])
+        q_sorted = np.take_along_axis(q_rows, np.argsort(rows, axis=-1, kind="stable"), -1)
+        suffix = np.concatenate([np.cumsum(q_sorted[:, ::-1], -1)[:, ::-1],
+                                 np.zeros((len(q_rows), 1))], -1)
+        mass_above = np.take_along_axis(suffix, first_above, -1).reshape(z.shape)
+        kept &= mass_above < top_p
     logp = np.where(kept, z, -np.inf)
     top = z.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp - top).sum(-1, keepdims=True)) - top
@@ -40,6 +51,31 @@ def _np_reference(h, w, targets, temperature, top_k=0, top_p=1.0):
     lp = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     entropy = -np.where(p > 0, p * np.where(kept, logp, 0.0), 0.0).sum(-1)
     return lp, entropy, p, np.where(kept, logp, 0.0)
+
+
+def _np_reference_pairwise(h, w, targets, temperature, top_k=0, top_p=1.0):
+    """The same by the [V, V] comparison of every pair (small vocabularies only): checks the
+    sorted reference above."""
+    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64) / (temperature or 1.0)
+    above = z[..., None, :] > z[..., :, None]  # [..., i, j]: z_j > z_i
+    kept = np.ones(z.shape, bool) if not top_k else above.sum(-1) < top_k
+    q = np.where(kept, np.exp(z - z.max(-1, keepdims=True)), 0.0)
+    q /= q.sum(-1, keepdims=True)
+    if top_p < 1.0:
+        kept &= (np.where(above, q[..., None, :], 0.0).sum(-1) < top_p)
+    return kept
+
+
+def test_the_sorted_reference_keeps_what_the_pairwise_one_keeps():
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((4, 6, 8))
+    w = np.round(rng.standard_normal((8, 300)), 1)  # rounded: ties among the logits
+    w[:, 150:] = w[:, :150]  # and exact duplicate columns
+    targets = np.zeros((4, 6), np.int32)
+    for top_k, top_p in ((0, 1.0), (7, 1.0), (0, 0.6), (12, 0.8), (1, 0.3)):
+        kept = _np_reference(h, w, targets, 0.9, top_k, top_p)[2] > 0.0
+        want = _np_reference_pairwise(h, w, targets, 0.9, top_k, top_p)
+        np.testing.assert_array_equal(kept, want, err_msg=(top_k, top_p))
 
 
 def _np_grads(h, w, targets, temperature, d_lp, d_entropy, **filters):
@@ -306,6 +342,8 @@ def test_invariant_logprobs_and_gradients_match_float64_at_any_chunk(temperature
     if filters:
         targets = _np_reference(h, w, targets, temperature, **filters)[2].argmax(-1).astype(np.int32)
     d_lp, d_entropy = np.random.default_rng(7).standard_normal((2, 3, 5))
+    want_lp, want_entropy, _, _ = _np_reference(h, w, targets, temperature, **filters)
+    want_dh, want_dw = _np_grads(h, w, targets, temperature, d_lp, d_entropy, **filters)
     results = []
     for chunk in (4096, 5000, 0):  # chunks are whole COL_TILEs: 5000 runs as 8192
         def f(h, w, chunk=chunk):
@@ -316,10 +354,8 @@ def test_invariant_logprobs_and_gradients_match_float64_at_any_chunk(temperature
         grads = jax.jit(jax.grad(lambda h, w: jnp.sum(d_lp * f(h, w)[0] + d_entropy * f(h, w)[1]),
                                  argnums=(0, 1)))(jnp.asarray(h), jnp.asarray(w))
         results.append((np.asarray(lp), np.asarray(entropy)))
-        want_lp, want_entropy, _, _ = _np_reference(h, w, targets, temperature, **filters)
         np.testing.assert_allclose(lp, want_lp, atol=2e-5, rtol=1e-5)
         np.testing.assert_allclose(entropy, want_entropy, atol=2e-5, rtol=1e-5)
-        want_dh, want_dw = _np_grads(h, w, targets, temperature, d_lp, d_entropy, **filters)
         np.testing.assert_allclose(grads[0], want_dh, atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(grads[1], want_dw, atol=2e-5, rtol=1e-4)
         if not filters:  # d lp / d(h, w) as jax.nn.log_softmax's autodiff gives it
