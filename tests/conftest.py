@@ -70,19 +70,19 @@ def _has_gpu() -> bool:
 # workers in collection order, so a long file never starts last while the other worker runs
 # out of work (xdist's default order, by number of tests, put most of these at the end).
 LONGEST_FIRST = (
-    "tests/test_compiled_as_users.py",  # the AS_USERS modules, one process beside the suite
-    "tests/decoding/test_adaptive.py",
-    "tests/decoding/test_cache_growth.py",
+    "tests/rl/test_multiprocess_grpo.py",  # two multi-process comparisons (3 processes each)
     "tests/rl/test_faults.py",
-    "tests/decoding/test_split_invariance.py",
-    "tests/rl/test_multiprocess_grpo.py",
-    "tests/decoding/test_oracle.py",
+    "tests/test_compiled_as_users.py",  # the AS_USERS modules, one process beside the suite
     "tests/rl/test_trainer.py",
-    "tests/rl/test_multiprocess_history.py",
+    "tests/decoding/test_adaptive.py",
+    "tests/decoding/test_oracle.py",
+    "tests/rl/test_main_job.py",
+    "tests/decoding/test_cache_growth.py",
+    "tests/decoding/test_block.py",
+    "tests/decoding/test_split_invariance.py",
     "tests/rl/test_real_config.py",
     "tests/rl/test_adaptive_k_run.py",
     "tests/rl/test_mtp_training.py",
-    "tests/rl/test_main_job.py",
     "tests/decoding/test_continuous_batching.py",
 )
 

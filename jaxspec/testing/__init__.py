@@ -21,7 +21,7 @@ Modules:
     hf_models: O(1) random weights for tiny transformers models (needs torch).
     multiprocess_sharding, multiprocess_grpo: worker processes of the multi-process tests
         (`python -m jaxspec.testing.<name> ...`); multiprocess_grpo also launches its runs
-        and compares them (tests/rl/test_multiprocess_grpo.py, test_multiprocess_history.py).
+        and compares them (tests/rl/test_multiprocess_grpo.py).
 """
 
 import pathlib

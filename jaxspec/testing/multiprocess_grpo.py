@@ -21,7 +21,7 @@ logprob stage, policy and online draft updates, a checkpoint after every step):
   two inside each).
 
 KEY=VALUE are config overrides on top of the test's (e.g. draft.kind=history,
-tests/rl/test_multiprocess_history.py). After every step each process gathers the state
+tests/rl/test_multiprocess_grpo.py, which runs draft.kind=hybrid). After every step each process gathers the state
 (policy, optimizer, and the head, draft optimizer and history store where the run has
 them) to the host; process 0 writes them, the generated batches and the metrics rows of
 metrics.jsonl to WORKDIR/MODE.npz.

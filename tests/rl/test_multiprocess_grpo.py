@@ -12,9 +12,18 @@ run goes straight through, then resumes the two processes' checkpoint of step 2 
 single-process tests' (tests/parallel/test_train_step.py): tokens, lengths and accepted
 drafts identical, generation log-probs within 1e-5, non-timing metrics within 1e-5
 (relative above 1), parameters and optimizer states within 1e-5.
+
+The suite runs it once, with `draft.kind: hybrid` (the EAGLE-3 head trained online and
+drafting chains, plus history drafts from the store of earlier rollouts, replicated on every
+process: each adds the same all-gathered rows, places them on its generation devices, and
+both save it in the checkpoint) over a dataset of 2 prompts, so that every step sees the
+same 2 prompts and the drafts of steps 2 and 3 come from the store. JAXSPEC_FULL_EXACTNESS=1
+adds the kinds eagle3 (the head alone), history (the store alone) and hybrid_block (the
+block model trained online).
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,16 +37,24 @@ from jaxspec.testing import multiprocess_grpo as worker
 from jaxspec.testing.multiprocess_grpo import metric_rows
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(workdir, the two-process results, the one-process results); the runs overlap."""
-    workdir = tmp_path_factory.mktemp("multiprocess_grpo")
-    return workdir, *worker.run_both(workdir)
+FULL = os.environ.get("JAXSPEC_FULL_EXACTNESS", "") not in ("", "0")
+KINDS = ["hybrid", "eagle3", "history", "hybrid_block"] if FULL else ["hybrid"]
+REPEAT = "task.params.dataset_size=2"  # = rollout.prompts_per_step: the same prompts every step
+PER_PROMPT = 4  # draft.history.per_prompt's default = rollout.group_size of the worker
+HEADS = {"hybrid": "head", "eagle3": "head", "hybrid_block": "head", "history": None}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def runs(request, tmp_path_factory):
+    """(kind, workdir, the two-process results, the one-process results); the runs
+    overlap."""
+    workdir = tmp_path_factory.mktemp(f"multiprocess_{request.param}")
+    return request.param, workdir, *worker.run_both(workdir, f"draft.kind={request.param}", REPEAT)
 
 
 def test_two_processes_equal_one_process(runs):
-    _, two, one = runs
-    worker.assert_two_equal_one(two, one)
+    _, _, two, one = runs
+    worker.assert_two_equal_one(two, one)  # the stores (s*_history_*) included
 
 
 @pytest.mark.slow
@@ -64,12 +81,14 @@ def test_two_processes_equal_one_process_on_an_moe_policy(tmp_path):
 def test_the_runs_train_and_speculate(runs):
     """The comparison is not vacuous: drafts were accepted, speculative decoding replayed
     plain decoding, and the policy and the head moved at every step."""
-    _, _, one = runs
+    kind, _, _, one = runs
     rows = metric_rows(one)
     assert sum(r["acceptance_length"] > 1.0 for r in rows) >= 2
     assert all(r["replay_identical"] == 1.0 for r in rows if "replay_identical" in r)
-    assert all(r["grpo/grad_norm"] > 0 and r["draft/loss"] > 0 for r in rows)
-    for name in ("policy", "head"):
+    assert all(r["grpo/grad_norm"] > 0 for r in rows)
+    if HEADS[kind]:
+        assert all(r["draft/loss"] > 0 for r in rows)
+    for name in ("policy", HEADS[kind]) if HEADS[kind] else ("policy",):
         for step in range(2, worker.STEPS + 1):
             moved = max(np.abs(one[f"s{step}_{k[3:]}"] - one[f"s{step - 1}_{k[3:]}"]).max()
                         for k in one if k.startswith(f"s{step}_{name}_"))
@@ -79,13 +98,14 @@ def test_the_runs_train_and_speculate(runs):
 def test_two_process_checkpoint_and_export(runs):
     """The two processes wrote one checkpoint per step (the resume read step 2's), and
     process 0 the metrics, the config and the export; they hold the state they saw."""
-    workdir, two, _ = runs
+    kind, workdir, two, _ = runs
     run_dir = workdir / "resume"
     with CheckpointManager(run_dir / "checkpoints", create=False) as manager:
         assert manager.all_steps() == [1, 2, 3]
         state, meta = manager.restore(2)  # here, one process, no target: host arrays
     assert meta["step"] == 2
-    for name, tree in (("policy", state["policy"]), ("head", state["head"]["params"])):
+    trees = [("policy", state["policy"])] + ([("head", state["head"]["params"])] if HEADS[kind] else [])
+    for name, tree in trees:
         leaves = jax.tree.leaves(tree)
         assert len(leaves) == sum(k.startswith(f"s2_{name}_") for k in two)
         for i, x in enumerate(leaves):
@@ -98,7 +118,7 @@ def test_two_process_checkpoint_and_export(runs):
 
 
 def test_a_signal_to_one_process_stops_both_at_the_same_step(runs):
-    _, two, _ = runs
+    _, _, two, _ = runs
     # process 0 got no signal: it stopped on the agreed flag of process 1 (faults.StopSignals)
     assert str(two["preempted"]) == "2 a stop signal (on another process)"
     assert "SIGTERM" not in str(two["log"])  # (process 0's log; process 1 logged the signal)
@@ -124,4 +144,36 @@ def test_one_process_resumes_the_two_process_checkpoint(runs):
     """The checkpoint of step 2 that two processes wrote resumes in one process (a topology
     it was not saved on: `jaxspec.testing.multiprocess_grpo.resume_here`), and its step 3 equals the
     one-process run's."""
-    worker.assert_resumed_here(runs[2])
+    worker.assert_resumed_here(runs[3])
+
+
+def test_the_store_holds_the_last_rollouts(runs):
+    """After step 3 each of the 2 prompts' rings holds that step's 4 rollouts (prompt +
+    completion), on every process alike (the comparison above)."""
+    kind, _, _, one = runs
+    if kind == "eagle3":
+        pytest.skip("draft.kind eagle3 keeps no store")
+    tokens, lengths = one["s3_history_0"], one["s3_history_1"]  # HistoryStore's field order
+    stored = sorted(tuple(t[:n]) for t, n in zip(tokens.reshape(-1, tokens.shape[-1]),
+                                                lengths.reshape(-1)) if n)
+    b = {k: one[f"b3_{k}"] for k in ("prompts", "prompt_lengths", "tokens", "lengths")}
+    want = sorted(tuple(p[:n]) + tuple(t[:m]) for p, n, t, m in
+                  zip(b["prompts"], b["prompt_lengths"], b["tokens"], b["lengths"]))
+    assert len(want) == 2 * PER_PROMPT and stored == want
+    assert [r["history/rollouts"] for r in metric_rows(one)] == [2 * PER_PROMPT] * worker.STEPS
+
+
+def test_the_store_drafts(runs):
+    """The comparison is not vacuous for the store: from step 2 the prompts' stored rollouts
+    are drafted and accepted (hybrid: drafts the history proposed)."""
+    kind, _, _, one = runs
+    if kind == "eagle3":
+        pytest.skip("draft.kind eagle3 keeps no store")
+    rows = metric_rows(one)
+    if kind == "history":  # step 1: an empty store, and siblings decoding in step accept nothing
+        assert rows[0]["acceptance_length"] == 1.0
+    for r in rows[1:]:
+        if kind != "history":
+            assert r["spec/accepted_history_only"] + r["spec/accepted_both"] > 0, r
+        else:
+            assert r["acceptance_length"] > 1.0, r
