@@ -356,6 +356,9 @@ class BlockSpec:
     mask_token_id: Optional[int] = Field(None, ge=0)  # null: the vocabulary's last id
     markov_rank: int = Field(0, ge=0)  # DSpark's low-rank Markov head (0: none)
     confidence: bool = False  # DSpark's confidence head
+    # with confidence and draft.adaptive_k: k chosen from the confidence head's acceptance
+    # estimate of the previous draft at every depth, in place of the measured counts
+    confidence_length: bool = True
     anchors: int = Field(16, ge=1)  # training blocks per rollout
     gamma: float = Field(7.0, gt=0)  # loss weight of drafted position j: exp(-(j - 1) / gamma)
     tv: float = Field(0.0, ge=0)  # weight of the total-variation term (DSpark's CE + TV)

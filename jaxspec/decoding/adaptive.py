@@ -35,6 +35,17 @@ last `window` committed entries are kept and observed in one forward before the 
 context; lossless anyway), and so is the prompt of a row refilled during k = 0 (its
 drafter row starts empty).
 
+A drafter that estimates every depth's acceptance from its own last draft
+(`protocols.EstimatesAcceptance`: the block drafter's confidence head) replaces the counts
+with that estimate once it has drafted once: alpha_j is then the estimate alone, not a blend
+(the counts, decayed over ~1 / (1 - decay) iterations, would hold back an estimate that is
+fresh at every drafted iteration and covers depths never verified). The counts are still kept:
+they choose k until the first draft and decide the probe intervals' back-off as before.
+Probes stay, because k = 0 iterations draft nothing and so refresh no estimate, but since
+any draft refreshes every depth, a probe drafts at the best k when that drafts, else at the
+shallowest drafted k (never the deepest just to measure it). The estimate is the previous
+draft's, so the k it picks depends on past iterations only.
+
 The loop runs in phases, one compiled program each, switched by the host: a draft phase
 (one inner `while_loop` per drafted k, running while that k is the choice) ends where k = 0
 is chosen; a plain phase then runs k = 0 in a loop of its own until the next probe (the
@@ -159,32 +170,48 @@ class AdaptiveK:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AdaptState:
-    """Decayed per-depth counts over the live rows of drafted iterations; the probe clock."""
+    """Decayed per-depth counts over the live rows of drafted iterations; the drafter's own
+    estimate from its last draft (`protocols.EstimatesAcceptance`), if any; the probe clock."""
 
     reached: jax.Array  # [max_k] f32 rows whose drafts before depth j were all accepted
     accepted: jax.Array  # [max_k] f32 ... and whose draft at depth j was accepted too
     next_probe: jax.Array  # [] int32 the iteration of the next probe
     interval: jax.Array  # [] int32 iterations between probes now
+    # [max_k] f32 the drafter's alpha_j from its last draft (None: not kept, as estimated False)
+    estimate: jax.Array | None = None
+    estimated: jax.Array | None = None  # [] bool: `estimate` holds one (it replaces the counts)
 
     @classmethod
     def zeros(cls, policy: AdaptiveK) -> AdaptState:
-        """No counts; the first probe at `policy.first_probe`."""
+        """No counts, no estimate; the first probe at `policy.first_probe`."""
         zero = jnp.zeros((policy.max_k,), jnp.float32)
         return cls(zero, zero, jnp.asarray(policy.first_probe, jnp.int32),
-                   jnp.asarray(policy.probe_every, jnp.int32))
+                   jnp.asarray(policy.probe_every, jnp.int32), zero, jnp.asarray(False))
 
-    def update(self, policy: AdaptiveK, k: int, num_accepted, active, iteration) -> AdaptState:
+    def update(self, policy: AdaptiveK, k: int, num_accepted, active, iteration,
+               estimate=None) -> AdaptState:
         """After iteration `iteration` ran at static draft length k: num_accepted [B] drafts
-        accepted per row (before any stop-token cut), active [B] rows that were live."""
+        accepted per row (before any stop-token cut), active [B] rows that were live;
+        estimate: the drafter's `acceptance_estimate` after this iteration's draft (None: it
+        has none)."""
         counted = self._count(policy, k, num_accepted, active)
+        if estimate is not None and self.estimate is not None:
+            alpha, valid = estimate
+            if alpha.shape[-1] < policy.max_k:
+                raise ValueError(f"a drafter's acceptance estimate covers {alpha.shape[-1]} depths; "
+                                 f"adaptive k drafts up to {policy.max_k}")
+            counted = dataclasses.replace(
+                counted, estimate=jnp.where(valid, alpha[:policy.max_k].astype(jnp.float32),
+                                            self.estimate),
+                estimated=self.estimated | valid)
         probed = iteration >= self.next_probe
         best = _best(counted, policy)
         same = best == _best(self, policy)
-        # a probe that left a drafter no k could make pay (`_probe_index`, on the counts with
+        # a probe that left a drafter no k could make pay (`_could_win`, on the counts with
         # this probe's): back off faster, and further; and, once the depth-1 counts outweigh
         # the prior 2 to 1 (not a verdict on one or two tail rows), at least as far as the
         # budget says
-        hopeless = _probe_index(counted, policy, best) < len(policy.ks) - 1
+        hopeless = ~_could_win(counted, policy, best)
         sure = counted.reached[0] >= 2.0 * policy.prior_weight
         pe = policy.probe_every  # saturating before multiplying: no int32 wrap-around
         grown = jnp.where(hopeless,
@@ -224,14 +251,18 @@ def budget_interval(policy: AdaptiveK) -> jax.Array:
 
 
 def conditional_acceptance(state: AdaptState, policy: AdaptiveK) -> jax.Array:
-    """[max_k] alpha_j: accepted / reached at depth j, shrunk towards alpha_{j-1} (alpha_0 =
-    the prior) with `prior_weight` pseudo-rows, so an untried depth inherits the one above."""
+    """[max_k] alpha_j: the drafter's estimate once it has made one; otherwise accepted /
+    reached at depth j, shrunk towards alpha_{j-1} (alpha_0 = the prior) with `prior_weight`
+    pseudo-rows, so an untried depth inherits the one above."""
     alphas, prev = [], jnp.asarray(policy.prior, jnp.float32)  # alpha_0: the prior
     w = policy.prior_weight
     for j in range(policy.max_k):
         prev = (state.accepted[j] + w * prev) / (state.reached[j] + w)
         alphas.append(prev)
-    return jnp.stack(alphas)
+    counted = jnp.stack(alphas)
+    if state.estimate is None:
+        return counted
+    return jnp.where(state.estimated, state.estimate, counted)
 
 
 def expected_tokens(alpha, ks) -> jax.Array:
@@ -248,18 +279,29 @@ def _best(state: AdaptState, policy: AdaptiveK) -> jax.Array:
     return jnp.argmax(rate).astype(jnp.int32)
 
 
-def _probe_index(state: AdaptState, policy: AdaptiveK, best) -> jax.Array:
-    """[] int32 index into `policy.ks` a probe drafts at: the deepest k while any drafted k
-    could beat the best even if every depth past the first were always accepted (E_k <=
-    1 + k alpha_1); otherwise the shallowest drafted k, which still measures alpha_1 (so a
-    hopeless drafter's probes cost one draft, not the deepest chain)."""
+def _could_win(state: AdaptState, policy: AdaptiveK, best) -> jax.Array:
+    """[] bool: some drafted k could beat the best even if every depth past the first were
+    always accepted (E_k <= 1 + k alpha_1)."""
     alpha = conditional_acceptance(state, policy)
     ks = jnp.asarray(policy.ks, jnp.float32)
     rate = expected_tokens(alpha, policy.ks) / policy.costs
     optimistic = (1.0 + ks * alpha[0]) / policy.costs
-    could_win = jnp.any((ks > 0) & (optimistic >= rate[best]))
+    return jnp.any((ks > 0) & (optimistic >= rate[best]))
+
+
+def _probe_index(state: AdaptState, policy: AdaptiveK, best) -> jax.Array:
+    """[] int32 index into `policy.ks` a probe drafts at. With counts only: the deepest k
+    while `_could_win`, otherwise the shallowest drafted k, which still measures alpha_1 (so
+    a hopeless drafter's probes cost one draft, not the deepest chain). With the drafter's
+    estimate, any draft refreshes every depth's: the best k if it drafts, else the
+    shallowest drafted k."""
     shallowest = next(i for i, k in enumerate(policy.ks) if k > 0)
-    return jnp.where(could_win, len(policy.ks) - 1, shallowest).astype(jnp.int32)
+    counted = jnp.where(_could_win(state, policy, best), len(policy.ks) - 1, shallowest)
+    if state.estimated is None:
+        return counted.astype(jnp.int32)
+    drafts = jnp.asarray(policy.ks)[best] > 0
+    estimated = jnp.where(drafts, best, shallowest)
+    return jnp.where(state.estimated, estimated, counted).astype(jnp.int32)
 
 
 def choose_k(state: AdaptState, policy: AdaptiveK, iteration) -> jax.Array:

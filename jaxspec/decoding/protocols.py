@@ -127,7 +127,8 @@ class Drafter(Protocol):
     The static members size the compiled loop; the engine counts forwards from the declared
     costs (a drafter never counts anything itself). What more a drafter can do it declares
     by implementing the capability protocols below (`HasStateAxes`, `RefillsRows`,
-    `AdaptiveLength`, `CouplesVerifierNoise`, `ReportsStats`, `ChecksPrompts`); the engine
+    `AdaptiveLength`, `EstimatesAcceptance`, `CouplesVerifierNoise`, `ReportsStats`,
+    `ChecksPrompts`); the engine
     checks them once per call, on the host. A drafter that reads other rollouts finds them
     by prompt, not by row: `DraftContext.sequences` says which prompt each row holds and
     `DraftContext.finished` holds the rollouts that left their rows (as `HistoryDrafter`
@@ -206,6 +207,18 @@ class AdaptiveLength(Protocol):
 
     def with_k(self, k: int) -> Drafter:
         """The same drafter drafting at most k deep, keeping a state of the same shapes."""
+
+
+@runtime_checkable
+class EstimatesAcceptance(Protocol):
+    """An adaptive-length drafter that predicts, from its own last draft, the acceptance at
+    every depth (adaptive k then chooses from that instead of the measured counts)."""
+
+    def acceptance_estimate(self, state) -> tuple[jax.Array, jax.Array] | None:
+        """-> (alpha [depths] float32: P(the draft at depth j is accepted | those before it
+        were), over the live rows of the last draft made; [] bool: a draft has been made), or
+        None where this drafter, as configured, has no estimate. Only past drafts enter it, so
+        a k chosen from it depends on past iterations only."""
 
 
 @runtime_checkable

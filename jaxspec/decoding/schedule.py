@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decoding.loop_state import LoopInputs, LoopSpec, LoopState
-from jaxspec.decoding.protocols import Drafter, Observation
+from jaxspec.decoding.protocols import Drafter, EstimatesAcceptance, Observation
 from jaxspec.decoding.slots import reset_draft_rows
 
 
@@ -91,12 +91,15 @@ class AdaptiveDepth:
         return draft_state, pending, 0
 
     def after(self, inp: LoopInputs, s: LoopState, num_accepted, active, iteration) -> LoopState:
-        """Drafted iterations count at their k and update the acceptance counts (k = 0's
-        iterations are counted when its phase ends, `phases.plain_phase`)."""
+        """Drafted iterations count at their k and update the acceptance counts, and the
+        drafter's estimate from this iteration's draft where it makes one (k = 0's iterations
+        are counted when its phase ends, `phases.plain_phase`)."""
         if self.k == 0:
             return s
         stats = dataclasses.replace(s.stats, k_iterations=s.stats.k_iterations.at[self.k].add(1))
-        adapt = s.adapt.update(inp.adaptive, self.k, num_accepted, active, iteration)
+        estimate = (inp.drafter.acceptance_estimate(s.draft_state)
+                    if isinstance(inp.drafter, EstimatesAcceptance) else None)
+        adapt = s.adapt.update(inp.adaptive, self.k, num_accepted, active, iteration, estimate)
         return dataclasses.replace(s, stats=stats, adapt=adapt)
 
 

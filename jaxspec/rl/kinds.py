@@ -377,7 +377,8 @@ register(DraftKind(
 def _block_drafter(d, tree, *, head, **_):
     from jaxspec.decoding.block import BlockDrafter
 
-    return BlockDrafter(head, k=d.k, coupled=d.coupled)
+    return BlockDrafter(head, k=d.k, coupled=d.coupled,
+                        confidence_length=d.block.confidence_length and d.adaptive_k)
 
 
 register(DraftKind(

@@ -97,3 +97,19 @@ def test_config_names_a_k_past_the_block():
     cfg = load_config(None, ["draft.kind=hybrid_block", "draft.k=3", "draft.block.size=8",
                              "draft.block.markov_rank=16", "draft.block.confidence=true"])
     assert cfg.draft.block.markov_rank == 16 and cfg.draft.kind == "hybrid_block"
+
+
+def test_config_turns_the_confidence_length_on_with_adaptive_k():
+    """draft.block.confidence_length (default true) reaches the drafter only with
+    draft.adaptive_k: without it no k is chosen, so no estimate is computed."""
+    from jaxspec.config import load_config
+    from jaxspec.rl import kinds
+
+    _, head = _setup()
+    base = ["draft.kind=block", "draft.k=3", "draft.block.size=4", "draft.block.confidence=true"]
+    for extra, on in ((["draft.adaptive_k=true"], True), ([], False),
+                      (["draft.adaptive_k=true", "draft.block.confidence_length=false"], False)):
+        d = load_config(None, base + extra).draft
+        drafter = kinds.KINDS["block"].make_drafter(d, None, head=head)
+        assert drafter.confidence_length is on and drafter.estimates_acceptance is on, extra
+        assert (drafter.acceptance_estimate(drafter.init_state(None, 1, 8)) is None) is not on
