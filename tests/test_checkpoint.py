@@ -108,14 +108,20 @@ def test_restores_into_the_target_sharding(tmp_path):
 
 
 KILL_SCRIPT = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     import jax.numpy as jnp
     from jaxspec.checkpoint import CheckpointManager
     mgr = CheckpointManager(sys.argv[1], async_save=True)
     mgr.save(1, {"w": jnp.ones((512, 1024))}, {"step": 1})
     mgr.wait()
     mgr.save(2, {"w": jnp.full((512, 1024), 2.0)}, {"step": 2})
-    os.kill(os.getpid(), signal.SIGKILL)  # killed while step 2 is being written
+    # killed while step 2 is being written: once its temporary directory exists (the save
+    # writes in a background thread, so right after save() returns it may not yet)
+    deadline = time.monotonic() + 60
+    while (not any(n.startswith("2.") for n in os.listdir(sys.argv[1]))
+           and time.monotonic() < deadline):
+        time.sleep(0.0005)
+    os.kill(os.getpid(), signal.SIGKILL)
 """)
 
 
