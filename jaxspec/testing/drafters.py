@@ -32,3 +32,20 @@ def every_drafter(policy: Policy, *, draft_vocab: int = 96) -> dict:
         "eagle3_tree": Eagle3Drafter(head, tree=TreeSpec(top_k=3, depth=3, budget=7)),
         "mtp_chain": MTPDrafter(MTPHead.init_for(policy, jax.random.key(3)), k=2),
     }
+
+
+def with_params(head, values: dict):
+    """`head` (a dataclass with `params`, e.g. a BlockHead) with every param whose path
+    contains a key of `values` replaced by value(x), cast to x's dtype: hand-set heads for
+    tests."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    def set_param(path, x):
+        name = jax.tree_util.keystr(path)
+        for key, value in values.items():
+            if key in name:
+                return jnp.asarray(value(x), x.dtype)
+        return x
+    return dataclasses.replace(head, params=jax.tree_util.tree_map_with_path(set_param, head.params))

@@ -85,3 +85,28 @@ def law_test(counts, probs, *, min_expected: float = 5.0):
         observed = np.append(observed[~small], observed[small].sum())
     statistic, p_value = stats.chisquare(observed, expected)
     return float(p_value), float(statistic), 0
+
+
+def continuation_law(policy, prompt, vocab: int, depth: int, temperature: float = 1.0):
+    """[vocab ** depth] float64 P(y_0 .. y_{depth-1} | prompt) at `temperature` (no top-k /
+    top-p), from the policy's full forwards over every continuation of depth - 1 tokens: the
+    law the first `depth` generated tokens must follow, cell (y_0, ..., y_{depth-1}) in
+    row-major order (`continuation_counts`' order)."""
+    seqs = np.array([list(prompt) + list(np.unravel_index(i, (vocab,) * (depth - 1)))
+                     for i in range(vocab ** (depth - 1))], np.int32)
+    logits, _, _ = policy.forward(seqs, np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape))
+    logits = np.asarray(logits, np.float64)
+    law = np.ones((1,))
+    p = len(prompt)
+    for d in range(depth):
+        stride = vocab ** (depth - 1 - d)  # rows sharing the first d tokens
+        probs = processed_probs(logits[::stride, p - 1 + d], temperature, 0, 1.0)  # [vocab^d, vocab]
+        law = (law[:, None] * probs).reshape(-1)
+    return law
+
+
+def continuation_counts(tokens, vocab: int, depth: int):
+    """[vocab ** depth] how often each sequence of the first `depth` generated tokens
+    (tokens [N, >= depth]) occurs, in `continuation_law`'s order."""
+    y = np.asarray(tokens)[:, :depth].astype(np.int64)
+    return np.bincount(np.ravel_multi_index(tuple(y.T), (vocab,) * depth), minlength=vocab ** depth)

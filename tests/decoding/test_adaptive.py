@@ -424,7 +424,7 @@ def test_rejection_with_switching_k_follows_the_joint_law():
     forwards. Level 1e-5 (this test's false-failure probability, on top of the suite's
     other law tests). Power: the same counts against the law at temperature 0.8 are rejected."""
     from jaxspec.models.transformer import random_policy
-    from jaxspec.testing.laws import law_test, processed_probs
+    from jaxspec.testing.laws import continuation_counts, continuation_law, law_test
 
     vocab, n, prompt = 6, 8192, [1, 2, 1]
     policy = random_policy(ModelConfig.tiny("qwen3", vocab_size=vocab, num_layers=1,
@@ -437,20 +437,10 @@ def test_rejection_with_switching_k_follows_the_joint_law():
     k_iters = np.asarray(out.stats.k_iterations)
     assert (k_iters > 0).sum() >= 2, k_iters
     y = np.asarray(out.tokens)
-    counts = np.bincount((y[:, 0] * vocab + y[:, 1]) * vocab + y[:, 2], minlength=vocab**3)
-    seqs = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)], np.int32)
-    logits, _, _ = policy.forward(seqs, np.broadcast_to(np.arange(5), seqs.shape))
-    logits = np.asarray(logits, np.float64)
-
-    def law(temperature):
-        p0 = processed_probs(logits[0, 2], temperature, 0, 1.0)
-        p1 = processed_probs(logits[::vocab, 3], temperature, 0, 1.0)  # [y0, y1]
-        p2 = processed_probs(logits[:, 4], temperature, 0, 1.0).reshape(vocab, vocab, vocab)
-        return (p0[:, None, None] * p1[:, :, None] * p2).reshape(-1)
-
-    p_value, statistic, outside = law_test(counts, law(1.0))
+    counts = continuation_counts(y, vocab, 3)
+    p_value, statistic, outside = law_test(counts, continuation_law(policy, prompt, vocab, 3))
     assert outside == 0 and p_value >= 1e-5, (p_value, statistic)
-    assert law_test(counts, law(0.8))[0] < 1e-5
+    assert law_test(counts, continuation_law(policy, prompt, vocab, 3, temperature=0.8))[0] < 1e-5
 
 
 def test_measure_costs_returns_positive_costs(setup):

@@ -28,22 +28,12 @@ from jaxspec.decoding import (
 from jaxspec.models import ModelConfig
 from jaxspec.models.block import BlockHead
 from jaxspec.models.transformer import random_policy
-from jaxspec.testing.laws import law_test, processed_probs
+from jaxspec.testing.drafters import with_params
+from jaxspec.testing.laws import continuation_counts, continuation_law, law_test
 
 SAMPLING = SamplingConfig(0.5)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 3], [4, 4, 4]]
 KEY = jax.random.key(3)
-
-
-def _with(head: BlockHead, values: dict) -> BlockHead:
-    """`head` with the params whose path contains a key of `values` replaced by value(x)."""
-    def set_param(path, x):
-        name = jax.tree_util.keystr(path)
-        for key, value in values.items():
-            if key in name:
-                return jnp.asarray(value(x), x.dtype)
-        return x
-    return dataclasses.replace(head, params=jax.tree_util.tree_map_with_path(set_param, head.params))
 
 
 def _bigram_head(policy, vocab: int, *, block_size: int, scale: float, seed: int = 2):
@@ -57,7 +47,7 @@ def _bigram_head(policy, vocab: int, *, block_size: int, scale: float, seed: int
     table = np.log(counts / counts.sum(1, keepdims=True))
     head = BlockHead.init_for(policy, jax.random.key(seed), block_size=block_size, num_layers=2,
                               markov_rank=vocab, confidence=True)
-    return _with(head, {"markov_w1": lambda x: np.eye(vocab), "markov_w2": lambda x: scale * table,
+    return with_params(head, {"markov_w1": lambda x: np.eye(vocab), "markov_w2": lambda x: scale * table,
                         "['norm']": lambda x: 0.05 * x})
 
 
@@ -146,22 +136,14 @@ def _joint_law_counts(drafter_of, method: str, n: int = 4096):
     head = BlockHead.init_for(policy, jax.random.key(4), block_size=3, num_layers=1,
                               markov_rank=vocab)
     rng = np.random.default_rng(0)
-    head = _with(head, {"markov_w1": lambda x: np.eye(vocab),
+    head = with_params(head, {"markov_w1": lambda x: np.eye(vocab),
                         "markov_w2": lambda x: 3.0 * rng.standard_normal((vocab, vocab)),
                         "['norm']": lambda x: 0.05 * x})  # the Markov bias dominates q
     sampling = SamplingConfig(1.0)
     out = generate(policy, [prompt] * n, drafter=drafter_of(head), sampling=sampling,
                    max_new_tokens=3, key=jax.random.key(11), method=method)
     y = np.asarray(out.tokens)
-    counts = np.bincount((y[:, 0] * vocab + y[:, 1]) * vocab + y[:, 2], minlength=vocab ** 3)
-    seqs = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)], np.int32)
-    logits, _, _ = policy.forward(seqs, np.broadcast_to(np.arange(5), seqs.shape))
-    logits = np.asarray(logits, np.float64)
-    p0 = processed_probs(logits[0, 2], 1.0, 0, 1.0)
-    p1 = processed_probs(logits[::vocab, 3], 1.0, 0, 1.0)  # [y0, y1]
-    p2 = processed_probs(logits[:, 4], 1.0, 0, 1.0).reshape(vocab, vocab, vocab)  # [y0, y1, y2]
-    law = (p0[:, None, None] * p1[:, :, None] * p2).reshape(-1)
-    return counts, law, out.stats
+    return continuation_counts(y, vocab, 3), continuation_law(policy, prompt, vocab, 3), out.stats
 
 
 @pytest.mark.parametrize("method", ["rejection", "replay"])

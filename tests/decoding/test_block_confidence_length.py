@@ -20,23 +20,13 @@ from jaxspec.decoding.protocols import EstimatesAcceptance
 from jaxspec.models import ModelConfig
 from jaxspec.models.block import BlockHead
 from jaxspec.models.transformer import random_policy
-from jaxspec.testing.laws import law_test, processed_probs
+from jaxspec.testing.drafters import with_params
+from jaxspec.testing.laws import continuation_counts, continuation_law, law_test
 
 SAMPLING = SamplingConfig(0.7)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 3], [4, 4, 4]]
 KEY = jax.random.key(3)
 COSTS = jnp.array([1.0, 1.2, 1.3, 1.4])  # k = 0..3
-
-
-def _with(head: BlockHead, values: dict) -> BlockHead:
-    """`head` with the params whose path contains a key of `values` replaced by value(x)."""
-    def set_param(path, x):
-        name = jax.tree_util.keystr(path)
-        for key, value in values.items():
-            if key in name:
-                return jnp.asarray(value(x), x.dtype)
-        return x
-    return dataclasses.replace(head, params=jax.tree_util.tree_map_with_path(set_param, head.params))
 
 
 def _head(policy, *, block_size: int, bias: float, scale: float = 0.0, seed: int = 2):
@@ -45,7 +35,7 @@ def _head(policy, *, block_size: int, bias: float, scale: float = 0.0, seed: int
     rng = np.random.default_rng(seed)
     head = BlockHead.init_for(policy, jax.random.key(seed), block_size=block_size, num_layers=1,
                               markov_rank=4, confidence=True)
-    return _with(head, {"markov_w1": lambda x: rng.standard_normal(x.shape),
+    return with_params(head, {"markov_w1": lambda x: rng.standard_normal(x.shape),
                         "markov_w2": lambda x: rng.standard_normal(x.shape),
                         "confidence_w": lambda x: scale * rng.standard_normal(x.shape) / np.sqrt(x.shape[0]),
                         "confidence_b": lambda x: np.full(x.shape, bias)})
@@ -185,7 +175,7 @@ def test_rejection_with_the_confidence_length_follows_the_joint_law():
     rng = np.random.default_rng(0)
     head = BlockHead.init_for(policy, jax.random.key(4), block_size=4, num_layers=1,
                               markov_rank=vocab, confidence=True)
-    head = _with(head, {"markov_w1": lambda x: np.eye(vocab),
+    head = with_params(head, {"markov_w1": lambda x: np.eye(vocab),
                         "markov_w2": lambda x: 3.0 * rng.standard_normal((vocab, vocab)),
                         "['norm']": lambda x: 0.05 * x,
                         "confidence_w": lambda x: 2.0 * rng.standard_normal(x.shape)})
@@ -195,14 +185,8 @@ def test_rejection_with_the_confidence_length_follows_the_joint_law():
                    key=jax.random.key(11), slots=64)
     k_iters = np.asarray(out.stats.k_iterations)
     assert (k_iters > 0).sum() >= 2, k_iters
-    y = np.asarray(out.tokens)
-    counts = np.bincount((y[:, 0] * vocab + y[:, 1]) * vocab + y[:, 2], minlength=vocab ** 3)
-    seqs = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)], np.int32)
-    logits, _, _ = policy.forward(seqs, np.broadcast_to(np.arange(5), seqs.shape))
-    logits = np.asarray(logits, np.float64)
-    p0 = processed_probs(logits[0, 2], 1.0, 0, 1.0)
-    p1 = processed_probs(logits[::vocab, 3], 1.0, 0, 1.0)  # [y0, y1]
-    p2 = processed_probs(logits[:, 4], 1.0, 0, 1.0).reshape(vocab, vocab, vocab)
-    law = (p0[:, None, None] * p1[:, :, None] * p2).reshape(-1)
-    p_value, statistic, outside = law_test(counts, law)
+    counts = continuation_counts(out.tokens, vocab, 3)
+    p_value, statistic, outside = law_test(counts, continuation_law(policy, prompt, vocab, 3))
     assert outside == 0 and p_value >= 1e-5, (p_value, statistic)
+    # the test has the power to see a wrong law (temperature 0.8 instead of 1)
+    assert law_test(counts, continuation_law(policy, prompt, vocab, 3, temperature=0.8))[0] < 1e-5

@@ -15,7 +15,7 @@ from jaxspec.models import ModelConfig
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.transformer import random_policy
 from jaxspec.testing.drafters import PROMPTS, every_drafter
-from jaxspec.testing.laws import law_test, processed_probs
+from jaxspec.testing.laws import continuation_counts, continuation_law, law_test
 
 MAX_NEW = 12
 KEY = jax.random.key(11)
@@ -63,21 +63,6 @@ def test_rollouts_route_through_many_experts(policy, plain):
     assert len({tuple(sorted(e)) for e in experts[0, 0]}) >= 4
 
 
-def _law(policy, prompt, vocab, depth, temperature=1.0):
-    """P(y_0 .. y_{depth-1} | prompt) at `temperature`, in float64 from full forwards."""
-    seqs = np.array([prompt + list(np.unravel_index(i, (vocab,) * (depth - 1)))
-                     for i in range(vocab ** (depth - 1))], np.int32)
-    logits, _, _ = policy.forward(seqs, np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape))
-    logits = np.asarray(logits, np.float64)
-    law = np.ones((1,))
-    p = len(prompt)
-    for d in range(depth):
-        stride = vocab ** (depth - 1 - d)  # rows sharing the first d tokens
-        probs = processed_probs(logits[::stride, p - 1 + d], temperature, 0, 1.0)  # [vocab^d, vocab]
-        law = (law[:, None] * probs).reshape(-1)
-    return law
-
-
 @pytest.mark.parametrize("case", ["rejection-eagle3", "replay-ngram-slots"])
 def test_moe_rollouts_follow_the_policy_joint_law(case):
     """Chi-square: 4096 rollouts of one prompt, 3 tokens each, against the MoE policy's joint
@@ -96,7 +81,7 @@ def test_moe_rollouts_follow_the_policy_joint_law(case):
                        slots=64)
     assert float(out.stats.acceptance_length) > 1.0  # drafts were accepted
     y = np.asarray(out.tokens)
-    counts = np.bincount((y[:, 0] * vocab + y[:, 1]) * vocab + y[:, 2], minlength=vocab**3)
-    p_value, statistic, outside = law_test(counts, _law(policy, prompt, vocab, 3))
+    counts = continuation_counts(y, vocab, 3)
+    p_value, statistic, outside = law_test(counts, continuation_law(policy, prompt, vocab, 3))
     assert outside == 0 and p_value >= LEVEL, (p_value, statistic)
-    assert law_test(counts, _law(policy, prompt, vocab, 3, temperature=0.5))[0] < LEVEL
+    assert law_test(counts, continuation_law(policy, prompt, vocab, 3, temperature=0.5))[0] < LEVEL
