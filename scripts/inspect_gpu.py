@@ -6,7 +6,7 @@
         --devices 8 --programs grpo_score,grpo_update --json grpo.json
 
 Needs jax's CUDA plugin (`pip install -e ".[gpu-aot]"`, ~3 GB); no GPU. Programs
-(jaxspec.gpu_targets.inspect): decode, verify_k3, tree_n16, refill, eagle3_draft (one
+(jaxspec.gpu_targets.inspect): decode, verify_k3, tree_n16, refill, eagle3_draft, block_draft (one
 device, at each batch), grpo_score and grpo_update (the run's batch on --devices GPUs, fsdp).
 Per program: HBM bytes per loop iteration estimated from the optimized HLO
 (jaxspec.gpu_targets.hlo) against the floor (weights + live KV read once; training: also
@@ -41,7 +41,7 @@ def _parse(argv):
     p.add_argument("--prompt-len", type=int, default=None,
                    help="refill prompt tokens per row (default: rollout.max_prompt_len, at most --context)")
     p.add_argument("--programs", default=None,
-                   help="comma list (default: decode,verify_k3,tree_n16,refill,eagle3_draft)")
+                   help="comma list (default: decode,verify_k3,tree_n16,refill,eagle3_draft,block_draft)")
     p.add_argument("--layer-loop", default=None, help="override model.layer_loop: auto, scan or unroll")
     p.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
                    help="an XLA compile option for every program (repeatable), on top of (and over) "

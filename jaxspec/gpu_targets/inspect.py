@@ -13,6 +13,10 @@ kernels run inside a command buffer, i.e. a CUDA graph):
 - refill: a prefill of `prompt_len` tokens per row into the cache (no loop: the program);
 - eagle3_draft: one EAGLE-3 chain-draft step (the head's layer over 1 token, its LM head
   over the draft vocabulary, greedy pick) in a loop;
+- block_draft: one block-drafter step (`BlockDrafter.propose`: a DFlash body of one layer
+  over a block of BLOCK_SIZE, a Markov head of rank BLOCK_MARKOV_RANK and the confidence
+  head's estimate of every depth's acceptance for the confidence-driven length; greedy
+  drafts of k = VERIFY_K) in a loop;
 - grpo_score / grpo_update: the GRPO scoring forward and policy update of `jaxspec.rl.steps`
   at the run's batch, fsdp over `devices` GPUs.
 
@@ -56,12 +60,14 @@ __all__ = [
     "thunk_kernels",
 ]
 
-DECODE_PROGRAMS = ("decode", "verify_k3", "tree_n16", "refill", "eagle3_draft")
+DECODE_PROGRAMS = ("decode", "verify_k3", "tree_n16", "refill", "eagle3_draft", "block_draft")
 PROGRAMS = DECODE_PROGRAMS + ("grpo_score", "grpo_update")
 COPY_LIMIT = 1 << 20  # copies above 1 MB inside a loop body are reported
 LOOP_STEPS = 4  # iterations of each program's loop (the cost is per iteration)
 VERIFY_K = 3
 TREE_NODES = 16
+BLOCK_SIZE = 16  # block_draft: DFlash's released block size (z-lab *-DFlash-b16)
+BLOCK_MARKOV_RANK = 64  # block_draft: the Markov head's rank
 _WORK_THUNKS = re.compile(r"^\s*\d+: (k\w+)")
 _CONTAINERS = {"kCommandBuffer", "kWhile", "kConditional", "kSequential"}
 
@@ -296,9 +302,48 @@ def _build_program(name, cfg, *, batch, context, mesh, prompt_len, draft_vocab, 
         return Program(name, fn, (policy, head, hcache, tokens, hidden), True,
                        sum(parts.values()), parts, donate=(2,),
                        unknown_trip=-(-context // 128))
+    if name == "block_draft":
+        return _block_draft_program(cfg, batch, context, rep, steps)
     if name in ("grpo_score", "grpo_update"):
         return _grpo_program(name, cfg, mesh, run)
     raise ValueError(f"unknown program {name!r}; valid: {', '.join(PROGRAMS)}")
+
+
+def _block_draft_program(cfg, batch, context, rep, steps) -> Program:
+    """`block_draft`: BlockDrafter.propose in a loop, its body's cache holding `context`
+    committed tokens (read, not written: the observation is a separate step)."""
+    from jaxspec.decoding import BlockDrafter, SamplingConfig
+    from jaxspec.decoding.protocols import DraftContext
+    from jaxspec.models import Policy
+    from jaxspec.models.block import BlockHead
+
+    policy = _abstract(Policy.abstract(cfg), rep)
+    head = _abstract(jax.eval_shape(lambda: BlockHead.init_for(
+        Policy.abstract(cfg), jax.random.key(0), block_size=BLOCK_SIZE, num_layers=1,
+        markov_rank=BLOCK_MARKOV_RANK, confidence=True)), rep)
+    state = _abstract(jax.eval_shape(lambda: BlockDrafter(head, k=VERIFY_K).init_state(
+        None, batch, context)), rep)
+    buffer = jax.ShapeDtypeStruct((batch, context), jnp.int32, sharding=rep)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
+    item = jnp.dtype(cfg.param_dtype).itemsize
+    parts = floor_bytes(head.config.layer, batch, BLOCK_SIZE, context,
+                        embed_rows=False)
+    del parts["KV written"]  # a draft step writes no KV
+    # the body's layer and heads, and the policy's LM head the drafts go through
+    parts["weights"] = _param_bytes(head.params) + cfg.vocab_size * cfg.hidden_size * item
+    parts["embedding rows"] = batch * BLOCK_SIZE * cfg.hidden_size * item  # the policy's
+
+    def fn(policy, head, state, buffer, lengths):
+        drafter = BlockDrafter(head, k=VERIFY_K)
+
+        def body(i, carry):
+            state, buffer = carry
+            ctx = DraftContext(buffer, lengths, jax.random.key(0), SamplingConfig(0.0), False)
+            tree, _, state = drafter.propose(state, policy, ctx)
+            return state, buffer.at[:, 0].set(tree.tokens[:, 0])
+        return jax.lax.fori_loop(0, steps, body, (state, buffer))
+    return Program("block_draft", fn, (policy, head, state, buffer, lengths), True,
+                   sum(parts.values()), parts, donate=(2,), unknown_trip=-(-context // 128))
 
 
 def _grpo_program(name, cfg, mesh, run) -> Program:
