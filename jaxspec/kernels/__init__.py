@@ -104,13 +104,14 @@ class _KernelCall:
     backend: str
     scale: float | None
     knobs: tuple[tuple[str, object], ...]
+    thread: bool = True  # the caller goes on with the caches the kernel passes on
 
     def __call__(self, q, k_cache, v_cache, layer, *rest):
         if self.backend == "pallas":  # reads a stacked cache's layer in place
             from jaxspec.kernels.pallas import tree_attention_pallas
 
             out = tree_attention_pallas(q, k_cache, v_cache, *rest, scale=self.scale,
-                                        layer=layer, **dict(self.knobs))
+                                        layer=layer, alias=self.thread, **dict(self.knobs))
             return out if layer is not None else (out, k_cache, v_cache)
         from jaxspec.kernels.triton_backend import tree_attention_triton
 
@@ -225,7 +226,7 @@ def tree_attention(
             "(its kernel runs interpreted on CPU under TRITON_INTERPRET=1 with torch tensors)"
         )
     knobs = tuple(sorted((k, v) for k, v in knobs.items() if v is not None))
-    call = _KernelCall(name, None if scale is None else float(scale), knobs)
+    call = _KernelCall(name, None if scale is None else float(scale), knobs, bool(thread))
     out, k_cache, v_cache = _kernel_attention(q, k_cache, v_cache, layer, cache_lengths, k_new,
                                               v_new, tree_mask, call)
     if not thread:

@@ -132,6 +132,7 @@ def _tree_attention_kernel(
         "num_warps",
         "num_stages",
         "interpret",
+        "alias",
     ),
 )
 def tree_attention_pallas(
@@ -152,6 +153,7 @@ def tree_attention_pallas(
     num_stages: int = 2,
     interpret: bool = False,
     layer=None,
+    alias: bool = True,
 ):
     """Same function as `tree_attention_reference`; the knobs never change the math.
 
@@ -163,6 +165,9 @@ def tree_attention_pallas(
     kernel as outputs aliased to its inputs, unchanged, for the caller to go on with, so that
     a layer loop's reads and the cache write form one chain of uses of one buffer and XLA
     copies no stack (kernels.blocked threads the reference backend's the same way).
+    alias=False reads the stack without passing it on (returns the inputs): for a caller
+    that reads the same stack again without writing it (the block drafter's body), where an
+    aliased output it discards would make XLA copy the stack at every call.
 
     block_k: cached positions per inner step; block_r: query rows per program;
     block_n: tree nodes per inner step; kv_splits: prefix chunks per (row, kv head)
@@ -184,7 +189,8 @@ def tree_attention_pallas(
 
     d_pad = max(MIN_BLOCK, next_pow2(d))
     s_pad = max(MIN_BLOCK, s)
-    thread = stacked and d_pad == d and s_pad == s  # a padded stack is a copy: not threaded
+    # a padded stack is a copy: not threaded
+    thread = alias and stacked and d_pad == d and s_pad == s
     if d_pad != d or s_pad != s:
         pad_cache = ((0, 0), (0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))
         k_cache, v_cache = jnp.pad(k_cache, pad_cache), jnp.pad(v_cache, pad_cache)

@@ -79,3 +79,43 @@ def test_pallas_triton_module_verifies(dtype, batch, max_len, nodes, q_heads, kv
     assert modules, "no Pallas Triton call in the lowered program"
     for module in modules:
         _verify(module)
+
+
+def _aliases(fn, *avals):
+    """The output-operand aliases of each Pallas call in `fn` lowered for CUDA (the stacked
+    caches a call passes on in place)."""
+    from jaxspec.kernels import target_platform
+
+    with target_platform("gpu"):
+        lowered = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+    calls = [op for op in _ops(lowered.compiler_ir("stablehlo").operation)
+             if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes]
+    assert calls, "no Pallas call in the lowered program"
+    return [len(op.attributes["output_operand_aliases"])
+            if "output_operand_aliases" in op.attributes else 0 for op in calls]
+
+
+@pytest.mark.parametrize("thread", [True, False])
+def test_a_stacked_cache_is_aliased_only_when_the_caller_threads_it(thread):
+    """A layer loop threads its stacked cache through the kernel (aliased outputs: one buffer,
+    no copy); a caller that only reads the stack (the block drafter's body, which reads the
+    same stack again in its next layer and keeps it) must get no aliased outputs, since XLA
+    copies an aliased input that is still live: the whole cache at every draft step."""
+    from jaxspec.kernels import CacheLayer, tree_attention
+
+    b, s, n, hq, hkv, d, layers = 2, 64, 4, 4, 2, 64, 3
+    dtype = jnp.bfloat16
+    stack = jax.ShapeDtypeStruct((layers, b, s, hkv, d), dtype)
+    avals = [
+        jax.ShapeDtypeStruct((b, n, hq, d), dtype), stack, stack,
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b, n, hkv, d), dtype), jax.ShapeDtypeStruct((b, n, hkv, d), dtype),
+        jax.ShapeDtypeStruct((b, n, n), jnp.bool_),
+    ]
+
+    def fn(q, k_stack, v_stack, lengths, k_new, v_new, mask):
+        layer = jnp.int32(1)
+        return tree_attention(q, CacheLayer(k_stack, layer), CacheLayer(v_stack, layer), lengths,
+                              k_new, v_new, mask, backend="pallas", thread=thread)
+
+    assert _aliases(fn, *avals) == [2 if thread else 0]
