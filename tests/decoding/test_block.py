@@ -146,13 +146,15 @@ def _joint_law_counts(drafter_of, method: str, n: int = 4096):
     return continuation_counts(y, vocab, 3), continuation_law(policy, prompt, vocab, 3), out.stats
 
 
-@pytest.mark.parametrize("method", ["rejection", "replay"])
-def test_rollouts_follow_the_policy_joint_law(method):
-    """Chi-square at level 1e-5 per case (2 cases: at most 2e-5 of false failures on top of
+@pytest.mark.parametrize("method, markov", [("rejection", True), ("replay", True),
+                                           ("rejection", False)])
+def test_rollouts_follow_the_policy_joint_law(method, markov):
+    """Chi-square at level 1e-5 per case (3 cases: at most 3e-5 of false failures on top of
     the 1e-4 of jaxspec.testing.laws.ALPHA's tests): 4096 rollouts of 3 tokens, drafted by a
     block drafter whose Markov head is far from the policy (sampled drafts and their q under
-    rejection; coupled drafts under replay)."""
-    counts, law, stats = _joint_law_counts(lambda head: BlockDrafter(head), method)
+    rejection; coupled drafts under replay), or by its body alone (markov=False: q is the
+    body's near-uniform distribution)."""
+    counts, law, stats = _joint_law_counts(lambda head: BlockDrafter(head, markov=markov), method)
     p_value, statistic, outside = law_test(counts, law)
     assert outside == 0 and p_value >= 1e-5, (p_value, statistic)
     assert stats.acceptance_length > 1.0  # drafts were accepted, so the rule was exercised
