@@ -129,6 +129,20 @@ class _QWithoutMarkov(BlockDrafter):
         return tree, jnp.exp(process_logits(base, ctx.sampling)), state
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _VerifiesOnlyItsMode(BlockDrafter):
+    """Negative control: a draft length chosen from the current draft's own token (a row's
+    first draft is verified only when it is q's mode; otherwise the node is absent), not from
+    the committed prefix as the confidence length's is."""
+
+    def propose(self, state, policy, ctx):
+        tree, q, state = super().propose(state, policy, ctx)
+        first = tree.tokens[:, 0]
+        kept = jnp.where(first == jnp.argmax(q[:, 0], axis=-1), first, -1)
+        return dataclasses.replace(tree, tokens=tree.tokens.at[:, 0].set(kept)), q, state
+
+
 def _joint_law_counts(drafter_of, method: str, n: int = 4096):
     vocab, prompt = 6, [1, 2, 1]
     policy = random_policy(ModelConfig.tiny("qwen3", vocab_size=vocab, num_layers=1,
@@ -164,5 +178,15 @@ def test_q_without_the_markov_bias_is_caught():
     """Negative control: rejection sampling given the body's q while the drafts came from
     q with the Markov bias (HF #47932's kind of bug) leaves the joint law."""
     counts, law, _ = _joint_law_counts(lambda head: _QWithoutMarkov(head), "rejection")
+    p_value, statistic, _ = law_test(counts, law)
+    assert p_value < 1e-5, (p_value, statistic)
+
+
+def test_a_length_chosen_from_the_draft_itself_is_caught():
+    """Negative control for adaptive length: verifying a position only when its own drafted
+    token looks likely (here: is q's mode) leaves the joint law (that token is then accepted
+    with probability p(x)(2 - q(x)) where p < q); the confidence length avoids it by choosing
+    k from the previous draft's estimate (test_block_confidence_length.py)."""
+    counts, law, _ = _joint_law_counts(lambda head: _VerifiesOnlyItsMode(head), "rejection")
     p_value, statistic, _ = law_test(counts, law)
     assert p_value < 1e-5, (p_value, statistic)
