@@ -252,6 +252,24 @@ def test_stacked_attention_call_is_charged_one_layer():
     assert stacked_attention_reads(comp.instructions["k"], []) is None
 
 
+def test_stacked_attention_call_charges_small_rank5_operands_whole():
+    """q read in its own layout [b, n, kv_heads, g, d] and the output written in it are rank 5
+    like the stacked cache: only the stack (the largest) is charged one layer; q is read
+    whole and the output written whole (charging them a 1/b share, as a rank-5 rule did,
+    undercounts every verify step)."""
+    text = """ENTRY %main (k: bf16[6,2,64,4,32], q: bf16[2,3,4,2,32]) -> (bf16[2,3,4,2,32], bf16[6,2,64,4,32]) {
+  %k = bf16[6,2,64,4,32]{4,3,2,1,0} parameter(0)
+  %q = bf16[2,3,4,2,32]{4,3,2,1,0} parameter(1)
+  ROOT %c = (bf16[2,3,4,2,32]{4,3,2,1,0}, bf16[6,2,64,4,32]{4,3,2,1,0}) custom-call(%q, %k), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/tree_attention/pallas_call"}
+}
+"""
+    comp = hlo.parse(text).entry
+    q = 2 * 3 * 4 * 2 * 32 * 2
+    layer = 2 * 64 * 4 * 32 * 2
+    assert stacked_attention_reads(comp.instructions["c"], [comp.instructions["q"],
+                                                            comp.instructions["k"]]) == q + layer + q
+
+
 def test_target_platform_drives_the_backend_choices():
     cfg = ModelConfig.tiny()
     policy = Policy.abstract(cfg)

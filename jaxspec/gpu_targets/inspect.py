@@ -112,24 +112,26 @@ def floor_bytes(cfg, batch: int, fed: int, context: int, *, embed_rows: bool = T
     }
 
 
-def _stack_rows(shape: str) -> int:
-    """The leading dimension of a rank-5 array shape (a stacked cache's layers), else 1."""
-    dims = hlo._ARRAY.findall(shape)
-    if len(dims) != 1 or len(dims[0][1].split(",")) != 5:
-        return 1
-    return int(dims[0][1].split(",")[0])
+def _array(shape: str) -> tuple[str, str] | None:
+    """(dtype, dims) of a single-array shape, else None."""
+    found = hlo._ARRAY.findall(shape)
+    return found[0] if len(found) == 1 else None
 
 
 def stacked_attention_reads(inst, operands) -> int | None:
-    """Bytes a jaxspec Pallas `tree_attention` call moves: one layer of each stacked (5-D)
-    KV operand read, the other operands read whole, and its own outputs written except the
-    stacks it passes through (aliased to its inputs, never written). None for other
-    instructions."""
+    """Bytes a jaxspec Pallas `tree_attention` call moves: one layer of each stacked KV
+    operand read, the other operands read whole, and its own outputs written except the
+    stacks it passes through (aliased to its inputs, never written). The stacks are the
+    largest rank-5 operands ([layers, batch, slots, kv_heads, head_dim]; q and the tree's
+    keys and values may be rank 5 too, far smaller). None for other instructions."""
     if inst.opcode != "custom-call" or "tree_attention" not in inst.op_name:
         return None
-    read = sum(op.bytes // _stack_rows(op.shape) for op in operands)
+    rank5 = [op for op in operands if (a := _array(op.shape)) and len(a[1].split(",")) == 5]
+    stack = _array(max(rank5, key=lambda op: op.bytes).shape) if rank5 else None
+    layers = int(stack[1].split(",")[0]) if stack else 1
+    read = sum(op.bytes // layers if _array(op.shape) == stack else op.bytes for op in operands)
     outputs = [f"{t}[{d}]" for t, d in hlo._ARRAY.findall(inst.shape)]
-    written = sum(hlo.shape_bytes(o) for o in outputs if _stack_rows(o) == 1)
+    written = sum(hlo.shape_bytes(o) for o in outputs if _array(o) != stack)
     return read + written
 
 

@@ -7,7 +7,14 @@
   `tree_attention_reference`, the plain oracle every backend is tested against;
 - ``pallas``: a Pallas kernel (Triton lowering on GPU, ``interpret=True`` elsewhere);
 - ``triton``: a Triton kernel called through jax-triton (CUDA only, imported lazily);
-- ``auto``: reference on CPU/TPU; on GPU triton if jax_triton imports, else pallas.
+- ``auto``: reference on CPU/TPU; pallas on GPU.
+
+On a GPU `auto` is the Pallas kernel because it reads one layer of a stacked cache in place
+(a layer loop passes `CacheLayer`s), and its programs compile the same way on a machine
+without a GPU, where `scripts/inspect_gpu.py` measures them. The triton backend reads a
+stacked cache's layer through a slice, which XLA materialises: a copy of that layer's whole
+cache per layer per step in decoding (jax-triton cannot be lowered without a GPU, so no
+compiled program shows it; the code path does).
 
 "GPU" is the platform programs are built for (`kernels.platform.platform()`): JAX's backend,
 or a GPU target compiled for from a machine without one (`target_platform`).
@@ -59,9 +66,7 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
         )
     platform = _platform() if platform is None else platform
     if backend == "auto":
-        if platform != "gpu":
-            return "reference"
-        return "triton" if jax_triton_available() else "pallas"
+        return "pallas" if platform == "gpu" else "reference"
     if backend == "triton" and platform != "gpu":
         raise ValueError(
             f"tree_attention backend 'triton' needs a CUDA GPU, but JAX's platform is "

@@ -6,7 +6,9 @@ Query rows are the N tree nodes times the q heads that share the kv head
 an online softmax over KV blocks of its part of the prefix, up to the row's
 cache length (a `fori_loop` with a data-dependent trip count and a masked tail
 block), then over the tree nodes in blocks under the ancestor mask (split 0 only).
-Splits are merged exactly in `split_kv.combine_splits`.
+Splits are merged exactly in `split_kv.combine_splits`; with one split the program
+normalises and writes the output in q's dtype itself (what that merge computes for one
+split, without the float32 partial and the merging pass).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.kernels.split_kv import (
     MIN_BLOCK,
@@ -59,29 +62,31 @@ def _online_softmax_step(carry, scores, allowed, v):
 def _tree_attention_kernel(
     len_ref,  # [] int32: this row's cache length
     layer_ref,  # [] int32: the layer of the stacked cache to read
-    q_ref,  # [block_r, d]
+    q_ref,  # [block_r, d], or [block_r // g, g, d]: whole nodes read from q's own layout
     k_ref,  # [layers, b, s, kv_heads, d]: the whole stacked cache, read in place
     v_ref,  # [layers, b, s, kv_heads, d]
-    kn_ref,  # [n_pad, d]: tree keys
-    vn_ref,  # [n_pad, d]
+    kn_ref,  # [nodes, d]: tree keys (read in blocks of block_n, masked past the last node)
+    vn_ref,  # [nodes, d]
     mask_ref,  # [block_r, n_pad] int8: query row may attend to tree node
-    o_ref,  # [block_r, d] float32, unnormalised
-    m_ref,  # [block_r] float32
-    l_ref,  # [block_r] float32
-    *unchanged,  # the stacked caches' aliased outputs (threaded through, never written)
+    o_ref,  # [block_r, d] float32, unnormalised (normalize: the output in its dtype, as
+    # [block_r // g, g, d] when the block holds whole nodes)
+    *rest,  # m_ref, l_ref [block_r] float32 (not when normalize), then the stacked caches'
+    # aliased outputs (threaded through, never written)
     scale: float,
     block_k: int,
     block_n: int,
     chunk_blocks: int,
+    normalize: bool,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     cache_len = k_ref.shape[2]
     layer = layer_ref[...]
     length = len_ref[...]
     q = q_ref[...]
+    q = q.reshape(-1, q.shape[-1])  # [block_r, d]
     rows = q.shape[0]
     init = (
-        jnp.zeros(o_ref.shape, jnp.float32),
+        jnp.zeros(q.shape, jnp.float32),
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
@@ -104,18 +109,35 @@ def _tree_attention_kernel(
     hi = jnp.minimum(lo + chunk_blocks, pl.cdiv(length, block_k))
     carry = lax.fori_loop(lo, jnp.maximum(lo, hi), prefix_block, init)
 
+    num_nodes = kn_ref.shape[0]
+
     def tree_block(j, carry):
         nodes = pl.ds(j * block_n, block_n)
         allowed = mask_ref[:, nodes] != 0
-        scores = _dot_t(q, kn_ref[nodes, :]) * scale
-        return _online_softmax_step(carry, scores, allowed, vn_ref[nodes, :])
+        if num_nodes % block_n:  # the last block runs past the nodes: masked loads, zeros
+            real = (j * block_n + jnp.arange(block_n) < num_nodes)[:, None]
+            kn = plgpu.load(kn_ref.at[nodes, :], mask=real, other=0.0)
+            vn = plgpu.load(vn_ref.at[nodes, :], mask=real, other=0.0)
+        else:
+            kn, vn = kn_ref[nodes, :], vn_ref[nodes, :]
+        scores = _dot_t(q, kn) * scale
+        return _online_softmax_step(carry, scores, allowed, vn)
 
     # The tree nodes under the ancestor mask, once per (row, kv head): split 0.
     # Both bounds int32 values: a `where` of two Python ints lowered to an i1 bound, and
     # Triton rejects an scf.for whose bounds differ in type ("Failed to parse Triton
     # module", seen on an H100 with jax 0.11.2).
-    tree_blocks = jnp.where(split == 0, jnp.int32(kn_ref.shape[0] // block_n), jnp.int32(0))
+    tree_blocks = jnp.where(split == 0, jnp.int32(-(-num_nodes // block_n)), jnp.int32(0))
     o, m, l = lax.fori_loop(jnp.int32(0), tree_blocks, tree_block, carry)
+    if normalize:
+        # One split: the whole softmax is here, so the program writes the output itself, as
+        # combine_splits would for one split (o / l; 0 where nothing was seen), in its final
+        # dtype: half the bytes of the float32 partial, and no combining pass. A block of
+        # whole nodes goes straight to its [nodes, group, d] place of [b, n, q_heads, d].
+        out = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        o_ref[...] = out.reshape(o_ref.shape)
+        return
+    m_ref, l_ref = rest[0], rest[1]
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
@@ -208,61 +230,91 @@ def tree_attention_pallas(
     splits, chunk = plan_splits(-(-s_pad // bk), b * hkv * row_blocks, kv_splits)
 
     # Query row r = node * g + head-in-group, grouped by kv head.
-    qg = q.reshape(b, n, hkv, g, d_pad).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d_pad)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
+    # Blocks of whole nodes without head padding read q in its own layout [b, n, hkv, g, d]
+    # (no transposed copy of q; nodes padded only when the last block is partial); else q
+    # regrouped to [b, hkv, rows, d] first.
+    natural = br % g == 0 and d_pad == d
+    if natural:
+        qg = jnp.pad(q.reshape(b, n, hkv, g, d), ((0, 0), (0, r_pad // g - n), (0, 0), (0, 0),
+                                                  (0, 0)))
+        q_spec = pl.BlockSpec((None, br // g, None, g, d), lambda i, h, r, j: (i, r, h, 0, 0))
+    else:
+        qg = q.reshape(b, n, hkv, g, d_pad).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d_pad)
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
+        q_spec = pl.BlockSpec((None, None, br, d_pad), lambda i, h, r, j: (i, h, r, 0))
     mask_rows = jnp.repeat(tree_mask.astype(jnp.int8), g, axis=1)  # [b, rows, n]
     mask_rows = jnp.pad(mask_rows, ((0, 0), (0, r_pad - rows), (0, n_pad - n)))
-    pad_n = ((0, 0), (0, n_pad - n), (0, 0), (0, 0))
-    k_new, v_new = jnp.pad(k_new, pad_n), jnp.pad(v_new, pad_n)
+    # The tree's keys and values as one operand [b, n, 2, hkv, d], unpadded (the kernel masks
+    # the last node block): what kernels.qkv writes, or one pass that applies RoPE to the keys
+    # and writes the values beside them, where a separate values operand sliced from the
+    # q/k/v projection XLA merged would be one more copy per layer.
+    kv_new = jnp.stack([k_new, v_new], axis=2)
     lengths = jnp.clip(cache_lengths.astype(jnp.int32), 0, s)
 
+    normalize = splits == 1
     kernel = functools.partial(
-        _tree_attention_kernel, scale=scale, block_k=bk, block_n=bn, chunk_blocks=chunk
+        _tree_attention_kernel, scale=scale, block_k=bk, block_n=bn, chunk_blocks=chunk,
+        normalize=normalize,
     )
     # The whole stack, unblocked: the kernel indexes its (layer, row, head) itself.
     kv_spec = pl.BlockSpec(k_cache.shape, lambda i, h, r, j: (0, 0, 0, 0, 0))
-    new_spec = pl.BlockSpec((None, n_pad, None, d_pad), lambda i, h, r, j: (i, 0, h, 0))
+    k_spec = pl.BlockSpec((None, n, None, None, d_pad), lambda i, h, r, j: (i, 0, 0, h, 0))
+    v_spec = pl.BlockSpec((None, n, None, None, d_pad), lambda i, h, r, j: (i, 0, 1, h, 0))
     compiler_params = None
     if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
         compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     stack_specs = [kv_spec, kv_spec] if thread else []
     stack_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_cache, v_cache)]
-    o, m, l, *stacks = pl.pallas_call(
+    ml_spec = pl.BlockSpec((None, None, None, br), lambda i, h, r, j: (i, h, j, r))
+    ml_shape = jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32)
+    # One split with blocks of whole nodes and no head padding: the output in its final
+    # layout [b, nodes, kv_heads, g, d] (no transpose pass after the kernel); else per
+    # (row, kv head) blocks of query rows, rearranged below.
+    placed = normalize and natural
+    if placed:
+        o_spec = pl.BlockSpec((None, br // g, None, g, d), lambda i, h, r, j: (i, r, h, 0, 0))
+        o_shape = jax.ShapeDtypeStruct((b, r_pad // g, hkv, g, d), q.dtype)
+    else:
+        o_spec = pl.BlockSpec((None, None, None, br, d_pad), lambda i, h, r, j: (i, h, j, r, 0))
+        o_shape = jax.ShapeDtypeStruct((b, hkv, splits, r_pad, d_pad),
+                                       q.dtype if normalize else jnp.float32)
+    outs = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, splits),
         in_specs=[
             pl.BlockSpec((None,), lambda i, h, r, j: (i,)),
             pl.BlockSpec((None,), lambda i, h, r, j: (0,)),
-            pl.BlockSpec((None, None, br, d_pad), lambda i, h, r, j: (i, h, r, 0)),
+            q_spec,
             kv_spec,
             kv_spec,
-            new_spec,
-            new_spec,
+            k_spec,
+            v_spec,
             pl.BlockSpec((None, br, n_pad), lambda i, h, r, j: (i, r, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, br, d_pad), lambda i, h, r, j: (i, h, j, r, 0)),
-            pl.BlockSpec((None, None, None, br), lambda i, h, r, j: (i, h, j, r)),
-            pl.BlockSpec((None, None, None, br), lambda i, h, r, j: (i, h, j, r)),
-            *stack_specs,
-        ],
+        out_specs=[o_spec, *([] if normalize else [ml_spec, ml_spec]), *stack_specs],
         out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, splits, r_pad, d_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32),
+            o_shape,
+            *([] if normalize else [ml_shape, ml_shape]),
             *(stack_shapes if thread else []),
         ],
-        input_output_aliases={3: 3, 4: 4} if thread else {},
+        # the stacks' operand indices (3, 4) alias the outputs after o (and m, l)
+        input_output_aliases=({3: 1, 4: 2} if normalize else {3: 3, 4: 4}) if thread else {},
         compiler_params=compiler_params,
         interpret=interpret,
         name="tree_attention",
-    )(lengths, layer, qg, k_cache, v_cache, k_new, v_new, mask_rows)
+    )(lengths, layer, qg, k_cache, v_cache, kv_new, kv_new, mask_rows)
 
-    out = combine_splits(o, m, l, axis=2)  # [b, hkv, r_pad, d_pad]
-    out = out[:, :, :rows, :d].reshape(b, hkv, n, g, d).transpose(0, 2, 1, 3, 4)
-    out = out.reshape(b, n, hq, d).astype(q.dtype)
+    if placed:
+        out, stacks = outs[0], outs[1:]  # [b, r_pad // g, hkv, g, d], q's dtype
+        out = out[:, :n].reshape(b, n, hq, d)
+    else:
+        if normalize:
+            out, stacks = outs[0][:, :, 0], outs[1:]  # [b, hkv, r_pad, d_pad], q's dtype
+        else:
+            o, m, l, *stacks = outs
+            out = combine_splits(o, m, l, axis=2)  # [b, hkv, r_pad, d_pad]
+        out = out[:, :, :rows, :d].reshape(b, hkv, n, g, d).transpose(0, 2, 1, 3, 4)
+        out = out.reshape(b, n, hq, d).astype(q.dtype)
     if not stacked:
         return out
     return (out, *stacks) if thread else (out, *given)

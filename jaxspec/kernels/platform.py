@@ -68,3 +68,18 @@ def target_platform(name: str):
         _TARGET.reset(token)
         if changes:
             jax.clear_caches()
+
+
+def fused_kernel_applies(choice: str, fits: bool, tokens: int, auto_tokens: tuple[int, int]) -> bool:
+    """Whether a layer uses one of its fused Pallas kernels (kernels.qkv, kernels.swiglu) for
+    ModelConfig.fused_kernels `choice`: never under "xla" or where the sizes are not the
+    kernel's whole tiles (`fits`); always under "pallas"; under "auto", on the target
+    platform "gpu", for forwards of `auto_tokens` tokens (both ends included), in a program
+    on one device (a custom call is not partitioned: on a mesh XLA would gather its
+    operands)."""
+    if choice == "xla" or not fits:
+        return False
+    if choice == "pallas":
+        return True
+    return (platform() == "gpu" and auto_tokens[0] <= tokens <= auto_tokens[1]
+            and jax.sharding.get_abstract_mesh().size <= 1)

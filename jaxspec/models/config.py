@@ -17,6 +17,7 @@ FAMILIES = ("qwen3", "llama", "qwen3_moe")
 EXPERT_BACKENDS = ("ragged", "blocked", "dense")
 DTYPES = ("float32", "bfloat16")
 LAYER_LOOPS = ("auto", "scan", "unroll")
+FUSED_KERNELS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,15 @@ class ModelConfig:
     # whose generation must match the scanned training forward bit for bit), scan on TPU.
     # Training always scans.
     layer_loop: str = "auto"
+    # A decoder layer's two fused Pallas kernels: its attention inputs (input norm, q/k/v
+    # projections, QK-norm, RoPE: jaxspec.kernels.qkv) and its MLP's silu(x @ gate) * (x @ up)
+    # (jaxspec.kernels.swiglu), each writing only its outputs where XLA writes and re-reads
+    # the intermediates. "xla": never; "pallas": wherever the sizes are whole tiles
+    # (interpreted off GPU); "auto": for forwards of AUTO_TOKENS (128 to 4,096) tokens in a
+    # one-device GPU program (verify-sized forwards, where those intermediates are a real
+    # share of the bytes), XLA otherwise. Never with batch_invariant; EAGLE-3's layer (2H
+    # input) keeps XLA's attention inputs.
+    fused_kernels: str = "auto"
     # Mixture of experts (family qwen3_moe, HF Qwen3MoeForCausalLM; jaxspec.models.moe): each
     # sparse layer routes a token to `num_experts_per_tok` of `num_experts` SwiGLU experts of
     # width `moe_intermediate_size` (softmax router, top-k, renormalised if norm_topk_prob),
@@ -81,6 +91,7 @@ class ModelConfig:
     def __post_init__(self):
         for name, choices in (("family", FAMILIES), ("dtype", DTYPES),
                               ("attention_backend", BACKENDS), ("layer_loop", LAYER_LOOPS),
+                              ("fused_kernels", FUSED_KERNELS),
                               ("expert_backend", EXPERT_BACKENDS)):
             value = getattr(self, name)
             if value not in choices:

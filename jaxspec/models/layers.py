@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.kernels import WithAncestors, layer_array, tree_attention
+from jaxspec.kernels import WithAncestors, layer_array, platform, swiglu, tree_attention
+from jaxspec.kernels import qkv as qkv_kernel
 from jaxspec.kernels.invariant import invariant_attention, invariant_dot, round_to, tree_sum, uncontracted
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import MoE
@@ -61,20 +62,27 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); `kernel` as ModelConfig.fused_kernels."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
-                 invariant: bool = False):
+                 invariant: bool = False, kernel: str = "xla"):
         self.invariant = invariant
+        self.kernel = kernel
         self.gate_proj = logical_param(rngs, (hidden_size, intermediate_size), dtype, ("embed", "mlp"))
         self.up_proj = logical_param(rngs, (hidden_size, intermediate_size), dtype, ("embed", "mlp"))
         self.down_proj = logical_param(rngs, (intermediate_size, hidden_size), dtype, ("mlp", "embed"))
 
     def __call__(self, x):  # [B, T, H] -> [B, T, H]
         if not self.invariant:
-            gate = jnp.einsum("bth,hm->btm", x, self.gate_proj[...])
-            up = jnp.einsum("bth,hm->btm", x, self.up_proj[...])
-            return jnp.einsum("btm,mh->bth", jax.nn.silu(gate) * up, self.down_proj[...])
+            b, t, h = x.shape
+            if swiglu.use_fused(self.kernel, b * t, h, self.gate_proj.shape[1]):
+                act = swiglu.swiglu(x.reshape(b * t, h), self.gate_proj[...], self.up_proj[...],
+                                    platform() != "gpu").reshape(b, t, -1)
+            else:
+                gate = jnp.einsum("bth,hm->btm", x, self.gate_proj[...])
+                up = jnp.einsum("bth,hm->btm", x, self.up_proj[...])
+                act = jax.nn.silu(gate) * up
+            return jnp.einsum("btm,mh->bth", act, self.down_proj[...])
         gate = invariant_dot(x, self.gate_proj[...])
         up = invariant_dot(x, self.up_proj[...])
         return invariant_dot(jax.nn.silu(gate) * up, self.down_proj[...])
@@ -107,18 +115,27 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.asarray(inv_freq, f32)
 
 
+def rope_tables(
+    positions,  # [B, T] int; negative (padding) positions are treated as 0
+    config: ModelConfig,
+    dtype,
+):  # -> cos, sin [B, T, head_dim] in dtype
+    """RoPE's cos and sin per token: angles in float32, rounded to `dtype`."""
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    pos = jnp.maximum(positions, 0).astype(jnp.float32)
+    freqs = pos[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, D]
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
 def apply_rope(
     x,  # [B, T, heads, head_dim]
     positions,  # [B, T] int; negative (padding) positions are treated as 0
     config: ModelConfig,
 ):
     """Rotary embedding, HF "rotate_half" layout; angles in float32, product in x's dtype."""
-    inv_freq = jnp.asarray(rope_inv_freq(config))
-    pos = jnp.maximum(positions, 0).astype(jnp.float32)
-    freqs = pos[..., None] * inv_freq  # [B, T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos = jnp.cos(emb).astype(x.dtype)
-    sin = jnp.sin(emb).astype(x.dtype)
+    cos, sin = rope_tables(positions, config, x.dtype)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, D]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     if config.batch_invariant:  # no FMA: its contraction depends on the fusion (shapes)
@@ -167,6 +184,28 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         return apply_rope(q, positions, self.config), apply_rope(k, positions, self.config), v
+
+    def project_normed(
+        self,
+        x,  # [B, T, H] the residual stream, before the layer's input norm
+        norm: RMSNorm,  # the layer's input norm
+        positions,  # [B, T] int32
+    ):  # -> q, k, v as project(norm(x), positions) returns them
+        """`project` of the normed input in one fused kernel (jaxspec.kernels.qkv): the norm's
+        statistics here, the rest in the kernel (see ModelConfig.fused_kernels)."""
+        b, t, f = x.shape
+        cfg = self.config
+        x32 = x.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1) + norm.eps)  # [B, T]
+        cos, sin = rope_tables(positions, cfg, x.dtype)
+        scales = ((self.q_norm.scale[...], self.k_norm.scale[...]) if self.q_norm is not None
+                  else (None, None))
+        q, kv = qkv_kernel.qkv(
+            x.reshape(b * t, f), inv.reshape(b * t), norm.scale[...], self.q_proj[...],
+            self.k_proj[...], self.v_proj[...], *scales, cos.reshape(b * t, -1),
+            sin.reshape(b * t, -1), float(cfg.rms_norm_eps), platform() != "gpu")
+        kv = kv.reshape(b, t, 2, cfg.num_kv_heads, cfg.head_dim)
+        return q.reshape(b, t, cfg.num_heads, cfg.head_dim), kv[:, :, 0], kv[:, :, 1]
 
     def output(self, heads):  # [B, T, heads, head_dim] -> [B, T, H]
         if self.config.batch_invariant:
@@ -227,7 +266,8 @@ class DecoderLayer(nnx.Module):
         # qwen3_moe: the experts (jaxspec.models.moe); a model mixing dense and sparse layers
         # stacks both MLPs in every layer, each layer running its own kind (`feed_forward`)
         self.mlp = MLP(h, config.intermediate_size, dtype=dtype, rngs=rngs,
-                       invariant=config.batch_invariant) if config.has_dense_mlp else None
+                       invariant=config.batch_invariant,
+                       kernel=config.fused_kernels) if config.has_dense_mlp else None
         self.moe = MoE(config, rngs=rngs) if config.is_moe else None
 
     def attention_input(
@@ -296,7 +336,13 @@ class DecoderLayer(nnx.Module):
         routing=True appends the MoE routing (`feed_forward`; None for a dense layer)."""
         if (embeds is None) != (self.hidden_norm is None):
             raise ValueError("embeds is required by (and only by) a layer built with embed_input=True")
-        q, k, v = self.self_attn.project(self.attention_input(x, embeds), positions)
+        cfg = self.self_attn.config
+        b, t, h = x.shape
+        if (self.hidden_norm is None and not cfg.batch_invariant
+                and qkv_kernel.use_fused(cfg.fused_kernels, b * t, h, cfg.head_dim)):
+            q, k, v = self.self_attn.project_normed(x, self.input_layernorm, positions)
+        else:
+            q, k, v = self.self_attn.project(self.attention_input(x, embeds), positions)
         if self.self_attn.config.batch_invariant:  # float32 activations: keys as the cache stores them
             dtype = self.self_attn.config.param_dtype
             k, v = round_to(k, dtype), round_to(v, dtype)

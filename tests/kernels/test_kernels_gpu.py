@@ -66,7 +66,7 @@ def test_backends_agree_on_a_prefill_block(dtype):
 
 
 def test_auto_picks_a_kernel_on_gpu():
-    assert resolve_backend("auto") == ("triton" if jax_triton_available() else "pallas")
+    assert resolve_backend("auto") == "pallas"
 
 
 def test_kernel_backends_differentiate_through_the_reference_vjp_on_gpu():

@@ -95,8 +95,9 @@ def _aliases(fn, *avals):
             if "output_operand_aliases" in op.attributes else 0 for op in calls]
 
 
+@pytest.mark.parametrize("kv_splits", [1, 2])  # one split writes o alone; several o, m, l
 @pytest.mark.parametrize("thread", [True, False])
-def test_a_stacked_cache_is_aliased_only_when_the_caller_threads_it(thread):
+def test_a_stacked_cache_is_aliased_only_when_the_caller_threads_it(thread, kv_splits):
     """A layer loop threads its stacked cache through the kernel (aliased outputs: one buffer,
     no copy); a caller that only reads the stack (the block drafter's body, which reads the
     same stack again in its next layer and keeps it) must get no aliased outputs, since XLA
@@ -116,6 +117,19 @@ def test_a_stacked_cache_is_aliased_only_when_the_caller_threads_it(thread):
     def fn(q, k_stack, v_stack, lengths, k_new, v_new, mask):
         layer = jnp.int32(1)
         return tree_attention(q, CacheLayer(k_stack, layer), CacheLayer(v_stack, layer), lengths,
-                              k_new, v_new, mask, backend="pallas", thread=thread)
+                              k_new, v_new, mask, backend="pallas", thread=thread, block_k=16,
+                              kv_splits=kv_splits)
 
     assert _aliases(fn, *avals) == [2 if thread else 0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tokens, hidden, mlp", [(1024, 4096, 12288), (48, 128, 192)])
+def test_swiglu_triton_module_verifies(dtype, tokens, hidden, mlp):
+    from jaxspec.kernels.swiglu import swiglu_pallas
+
+    avals = [jax.ShapeDtypeStruct((tokens, hidden), dtype),
+             jax.ShapeDtypeStruct((hidden, mlp), dtype), jax.ShapeDtypeStruct((hidden, mlp), dtype)]
+    modules = _triton_modules(swiglu_pallas, *avals)
+    assert len(modules) == 1
+    _verify(modules[0])
