@@ -223,6 +223,11 @@ def tree_attention_pallas(
     n_pad = -(-n // bn) * bn
     rows = n * g
     br = row_block(rows, block_r)
+    if block_r is None and rows % br and d_pad == d:
+        # Prefer a smaller block of whole nodes that divides the rows: q is then read and the
+        # output written in their own layouts with no padded copy of either.
+        whole = [c for c in (br // 2, br // 4) if c >= MIN_BLOCK and c % g == 0 and rows % c == 0]
+        br = whole[0] if whole else br
     row_blocks = -(-rows // br)
     r_pad = row_blocks * br
     if kv_splits is None and interpret:
