@@ -10,6 +10,7 @@
 #   bash scripts/gpu_session.sh kernels_b64        # issue 13's verify/decode row (batch 64, N 16)
 #   bash scripts/gpu_session.sh engine   # issue 13's tables: 8B and 100M decode bound, live-KV rollout
 #   bash scripts/gpu_session.sh engine2  # issue 13's tables: live-KV decode, tree proposal, long tail
+#   bash scripts/gpu_session.sh fused    # the layer's fused kernels vs XLA, 8B verify steps (~5 min)
 # Every step has its own time limit, so one that hangs or fails leaves the rest running;
 # each step's log goes to $OUT (or ./gpu_out) and its last lines to the console.
 # Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first;
@@ -18,7 +19,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 -d .whl jax-triton==0.3.1 tensorboardX==2.6.5
 set -u
-[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine|engine2 ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine|engine2|fused ..."; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -108,7 +109,13 @@ engine2)  # the rest of issue 13's tables (engine alone fills a 10-minute call)
   step longtail 150 python3 scripts/bench_longtail.py --rollouts 256 --slots 64 --rounds 3 \
     --json "$out/longtail.json"
   ;;
-*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2"; exit 2 ;;
+fused)
+  # model.fused_kernels (docs/kernels.md): untimed until a GPU runs this; auto uses them for
+  # 128-4,096-token forwards, so these rows decide whether AUTO_TOKENS stays.
+  TAIL=20 step fused_8b 400 python3 scripts/bench_fused.py --config configs/qwen3_8b_shape.yaml \
+    --batches 16,64 --tokens 4,16,64 --context 2048 --rounds 5 --json "$out/fused_8b.json"
+  ;;
+*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2 | fused"; exit 2 ;;
 esac
 done
 echo "total +$(( $(date +%s) - start ))s"

@@ -51,3 +51,19 @@ def test_gpu_session_refuses_an_unknown_phase(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_session.sh")], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "usage" in done.stdout
+
+
+def test_bench_fused_times_both_variants_and_refuses_bad_sizes(tmp_path):
+    """scripts/bench_fused.py (a GPU measurement; here the fused kernels run interpreted):
+    one tiny row with both variants timed, and one clear error for a bad size list."""
+    import json
+
+    main = _main("bench_fused.py")
+    with pytest.raises(SystemExit, match=r"--tokens '4,0' is invalid"):
+        main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--tokens", "4,0"])
+    out = tmp_path / "fused.json"
+    assert main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--batches", "2", "--tokens",
+                 "8", "--context", "16", "--steps", "1", "--rounds", "1", "--json", str(out),
+                 "model.head_dim=32"]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 2 and row["tokens"] == 8 and row["xla_ms"] > 0 and row["pallas_ms"] > 0
