@@ -268,6 +268,9 @@ def test_stacked_attention_call_charges_small_rank5_operands_whole():
     layer = 2 * 64 * 4 * 32 * 2
     assert stacked_attention_reads(comp.instructions["c"], [comp.instructions["q"],
                                                             comp.instructions["k"]]) == q + layer + q
+    # one buffer passed as two operands (the tree's keys and values) is read once
+    assert stacked_attention_reads(comp.instructions["c"], [
+        comp.instructions["q"], comp.instructions["q"], comp.instructions["k"]]) == q + layer + q
 
 
 def test_target_platform_drives_the_backend_choices():

@@ -123,9 +123,13 @@ def stacked_attention_reads(inst, operands) -> int | None:
     operand read, the other operands read whole, and its own outputs written except the
     stacks it passes through (aliased to its inputs, never written). The stacks are the
     largest rank-5 operands ([layers, batch, slots, kv_heads, head_dim]; q and the tree's
-    keys and values may be rank 5 too, far smaller). None for other instructions."""
+    keys and values may be rank 5 too, far smaller); an operand passed twice is read once.
+    None for other instructions."""
     if inst.opcode != "custom-call" or "tree_attention" not in inst.op_name:
         return None
+    # One buffer passed as two operands is read once (the tree's keys and values are one
+    # array, each operand's blocks reading its half).
+    operands = list({op.name: op for op in operands}.values())
     rank5 = [op for op in operands if (a := _array(op.shape)) and len(a[1].split(",")) == 5]
     stack = _array(max(rank5, key=lambda op: op.bytes).shape) if rank5 else None
     layers = int(stack[1].split(",")[0]) if stack else 1

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxspec.kernels.matmul import backward_precision, dot, token_block
 from jaxspec.kernels.platform import fused_kernel_applies
 from jaxspec.kernels.split_kv import check_block
 
@@ -36,10 +37,6 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # fused_kernels "auto": forwards of this many tokens (both ends included) in a one-device
 # GPU program, as kernels.swiglu.AUTO_TOKENS (the same reasoning).
 AUTO_TOKENS = (128, 4096)
-
-
-def _dot(a, b):  # [m, k] @ [k, n] -> [m, n] float32
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def fits(tokens: int, hidden: int, head_dim: int, *, block_m: int = BLOCK_M,
@@ -56,13 +53,6 @@ def use_fused(kernel: str, tokens: int, hidden: int, head_dim: int) -> bool:
     """Whether a layer computes its attention inputs with `qkv` for ModelConfig.fused_kernels
     `kernel`, as kernels.swiglu.use_fused decides for the MLP."""
     return fused_kernel_applies(kernel, fits(tokens, hidden, head_dim), tokens, AUTO_TOKENS)
-
-
-def _token_block(tokens: int, block_m: int) -> int:
-    bm = block_m
-    while tokens % bm:
-        bm //= 2
-    return bm
 
 
 def _kernel(x_ref, inv_ref, ln_ref, wq_ref, wk_ref, wv_ref, qs_ref, ks_ref, cos_ref, sin_ref,
@@ -85,8 +75,8 @@ def _kernel(x_ref, inv_ref, ln_ref, wq_ref, wk_ref, wv_ref, qs_ref, ks_ref, cos_
             ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
             x = x_ref[:, ks].astype(f32)
             normed = rnd(rnd(x * inv[:, None]) * ln_ref[ks].astype(f32)[None, :]).astype(dtype)
-            return (lo + _dot(normed, w_ref[ks, pl.ds(0, half)]),
-                    hi + _dot(normed, w_ref[ks, pl.ds(half, half)]))
+            return (lo + dot(normed, w_ref[ks, pl.ds(0, half)]),
+                    hi + dot(normed, w_ref[ks, pl.ds(half, half)]))
 
         zeros = jnp.zeros((rows, half), f32)
         lo, hi = lax.fori_loop(0, k_steps, step, (zeros, zeros))
@@ -163,7 +153,7 @@ def qkv_pallas(
         raise ValueError("qkv_pallas: q_scale and k_scale are both given (QK-norm) or both None")
     if not qk_norm:  # unused operands, so that the kernel's signature is one
         q_scale = k_scale = jnp.ones((d,), x.dtype)
-    bm = _token_block(m, block_m)
+    bm = token_block(m, block_m)
     kernel = functools.partial(_kernel, q_heads=hq, kv_heads=hkv, block_k=block_k,
                                k_steps=h // block_k, eps=float(eps), qk_norm=qk_norm)
     compiler_params = None
@@ -249,8 +239,9 @@ def _qkv_fwd(x, inv_rms, ln_scale, wq, wk, wv, q_scale, k_scale, cos, sin, eps, 
 
 
 def _qkv_bwd(eps, interpret, residuals, g):
-    _, vjp = jax.vjp(functools.partial(qkv_reference, eps=eps), *residuals)
-    return vjp(g)
+    with backward_precision(residuals[0].dtype):
+        _, vjp = jax.vjp(functools.partial(qkv_reference, eps=eps), *residuals)
+        return vjp(g)
 
 
 qkv.defvjp(_qkv_fwd, _qkv_bwd)

@@ -3,8 +3,9 @@
 XLA runs the gate and up projections as two matmuls: each writes its [tokens, mlp] output
 to memory and the SwiGLU product reads both back (on a GPU, with XLA's Triton GEMM
 fusions, the product is fused into the second matmul, which still reads the first one's
-output). Per layer of a Qwen3-8B-shaped policy verifying 1,024 tokens that is ~60 MB
-written and read beyond the weights. This kernel keeps both accumulators of a
+output). Per layer of a Qwen3-8B-shaped policy verifying 1,024 tokens that is ~109 MB
+written and read beyond the weights (both [1024, 12288] outputs written and read back, the
+input read twice): 3.9 GB per step. This kernel keeps both accumulators of a
 [block_m, block_n] tile in registers, walks the hidden dimension in blocks, and writes only
 the product: the input and the two weights read once, the product written once.
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxspec.kernels.matmul import backward_precision, dot, token_block
 from jaxspec.kernels.platform import fused_kernel_applies
 from jaxspec.kernels.split_kv import check_block
 
@@ -32,10 +34,6 @@ from jaxspec.kernels.split_kv import check_block
 # work per program), the hidden dimension in steps of 64. Untimed on a GPU (docs/kernels.md).
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 64, 64
 NUM_WARPS, NUM_STAGES = 8, 3
-
-
-def _dot(a, b):  # [m, k] @ [k, n] -> [m, n] float32
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def swiglu_epilogue(gate, up, dtype):
@@ -61,7 +59,7 @@ def _swiglu_kernel(x_ref, wg_ref, wu_ref, o_ref, *, block_k: int, k_steps: int):
         gate, up = acc
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         x = x_ref[:, ks]
-        return gate + _dot(x, wg_ref[ks, :]), up + _dot(x, wu_ref[ks, :])
+        return gate + dot(x, wg_ref[ks, :]), up + dot(x, wu_ref[ks, :])
 
     gate, up = lax.fori_loop(0, k_steps, step, (zeros, zeros))
     o_ref[...] = swiglu_epilogue(gate, up, o_ref.dtype)
@@ -87,13 +85,6 @@ def fits(tokens: int, hidden: int, mlp: int, *, block_m: int = BLOCK_M, block_n:
     """Whether `swiglu_pallas` takes these sizes: whole tiles (tokens a multiple of 16 with
     the token block shrunk to divide it, hidden and mlp multiples of their blocks)."""
     return (tokens % 16 == 0 and tokens >= 16 and hidden % block_k == 0 and mlp % block_n == 0)
-
-
-def _token_block(tokens: int, block_m: int) -> int:
-    bm = block_m
-    while tokens % bm:
-        bm //= 2
-    return bm
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
@@ -128,7 +119,7 @@ def swiglu_pallas(
     if len({x.dtype, w_gate.dtype, w_up.dtype}) != 1:
         raise ValueError(f"swiglu_pallas: x, w_gate, w_up must share a dtype; got {x.dtype}, "
                          f"{w_gate.dtype}, {w_up.dtype}")
-    bm = _token_block(m, block_m)
+    bm = token_block(m, block_m)
     kernel = functools.partial(_swiglu_kernel, block_k=block_k, k_steps=h // block_k)
     compiler_params = None
     if not interpret:
@@ -169,8 +160,9 @@ def _swiglu_fwd(x, w_gate, w_up, interpret):
 
 
 def _swiglu_bwd(interpret, residuals, g):
-    _, vjp = jax.vjp(swiglu_reference, *residuals)
-    return vjp(g)
+    with backward_precision(residuals[0].dtype):
+        _, vjp = jax.vjp(swiglu_reference, *residuals)
+        return vjp(g)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

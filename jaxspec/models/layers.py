@@ -75,7 +75,8 @@ class MLP(nnx.Module):
     def __call__(self, x):  # [B, T, H] -> [B, T, H]
         if not self.invariant:
             b, t, h = x.shape
-            if swiglu.use_fused(self.kernel, b * t, h, self.gate_proj.shape[1]):
+            if (x.dtype == self.gate_proj.dtype  # the kernel takes one dtype
+                    and swiglu.use_fused(self.kernel, b * t, h, self.gate_proj.shape[1])):
                 act = swiglu.swiglu(x.reshape(b * t, h), self.gate_proj[...], self.up_proj[...],
                                     platform() != "gpu").reshape(b, t, -1)
             else:
@@ -338,7 +339,7 @@ class DecoderLayer(nnx.Module):
             raise ValueError("embeds is required by (and only by) a layer built with embed_input=True")
         cfg = self.self_attn.config
         b, t, h = x.shape
-        if (self.hidden_norm is None and not cfg.batch_invariant
+        if (self.hidden_norm is None and not cfg.batch_invariant and x.dtype == cfg.param_dtype
                 and qkv_kernel.use_fused(cfg.fused_kernels, b * t, h, cfg.head_dim)):
             q, k, v = self.self_attn.project_normed(x, self.input_layernorm, positions)
         else:

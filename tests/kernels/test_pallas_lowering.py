@@ -133,3 +133,22 @@ def test_swiglu_triton_module_verifies(dtype, tokens, hidden, mlp):
     modules = _triton_modules(swiglu_pallas, *avals)
     assert len(modules) == 1
     _verify(modules[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tokens, hidden, q_heads, kv_heads, head_dim, qk_norm", [
+    (1024, 4096, 32, 8, 128, True),  # Qwen3-8B, a 64-row tree verify
+    (48, 128, 6, 2, 64, False),  # the token block shrinks to 16; no QK-norm (Llama)
+])
+def test_qkv_triton_module_verifies(dtype, tokens, hidden, q_heads, kv_heads, head_dim, qk_norm):
+    from jaxspec.kernels.qkv import qkv_pallas
+
+    f = jax.ShapeDtypeStruct
+    scale = f((head_dim,), dtype) if qk_norm else None
+    avals = [f((tokens, hidden), dtype), f((tokens,), jnp.float32), f((hidden,), dtype),
+             f((hidden, q_heads, head_dim), dtype), f((hidden, kv_heads, head_dim), dtype),
+             f((hidden, kv_heads, head_dim), dtype), scale, scale,
+             f((tokens, head_dim), dtype), f((tokens, head_dim), dtype)]
+    modules = _triton_modules(qkv_pallas, *avals)
+    assert len(modules) == 1
+    _verify(modules[0])

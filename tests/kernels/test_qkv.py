@@ -3,6 +3,7 @@ model's own unfused layer (layers.RMSNorm, the projections, QK-norm, layers.appl
 float64 NumPy."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,18 +86,20 @@ def test_float32_matches_float64_numpy():
 
 def _exact_layer_and_inputs():
     """bfloat16 inputs whose projections are exact in float32 in any summation order: inputs
-    of norm one per row (so the input norm is an exact scaling by one), multiples of 1/8
-    and weights of 1/64: only the epilogue's roundings can differ from XLA's."""
+    of small integers (so the input norm's two roundings, of x / rms and of the scaled value,
+    are exercised), norm scales of multiples of 1/8 and weights of multiples of 1/64: every
+    product and partial sum fits float32's mantissa, so only the roundings of the norm, the
+    QK-norm and RoPE can differ from XLA's."""
     cfg = _config(dtype="bfloat16")
     layer = _layer(cfg, seed=5)
     rng = np.random.default_rng(6)
     for w in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
         w[...] = jnp.asarray(rng.integers(-8, 9, size=w[...].shape) / 64.0, jnp.bfloat16)
-    layer.input_layernorm.scale[...] = jnp.ones((cfg.hidden_size,), jnp.bfloat16)
-    signs = rng.choice([-1.0, 1.0], size=(2, 16, cfg.hidden_size))
-    x = jnp.asarray(signs, jnp.bfloat16)  # mean(x^2) = 1: the norm multiplies by rsqrt(1 + eps)
+    layer.input_layernorm.scale[...] = jnp.asarray(
+        rng.integers(4, 13, size=cfg.hidden_size) / 8.0, jnp.bfloat16)
+    x = rng.integers(1, 4, size=(2, 16, cfg.hidden_size)) * rng.choice([-1, 1], size=(2, 16, cfg.hidden_size))
     pos = jnp.asarray(rng.integers(0, 500, size=(2, 16)), jnp.int32)
-    return layer, x, pos
+    return layer, jnp.asarray(x, jnp.bfloat16), pos
 
 
 def test_bfloat16_rounds_as_the_unfused_layer():
@@ -119,8 +122,23 @@ def test_rope_rounded_once_is_caught():
     assert np.mean(np.asarray(once, np.float32) != np.asarray(ref, np.float32)) > 0.05
 
 
-def test_gradient_is_the_reference_gradient():
-    cfg = _config()
+def test_an_input_norm_rounded_once_is_caught():
+    """Negative control for the input norm's part of the bitwise test: the scaled input
+    computed in float32 and rounded once (XLA rounds x / rms, then the scaled value) gives
+    other projections on these inputs."""
+    layer, x, pos = _exact_layer_and_inputs()
+    att = layer.self_attn
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + EPS)
+    once = (x32 * inv * layer.input_layernorm.scale[...].astype(jnp.float32)).astype(jnp.bfloat16)
+    v_once = jnp.einsum("btf,fnd->btnd", once, att.v_proj[...])
+    v_ref = jax.jit(_unfused)(layer, x, pos)[2]
+    assert np.mean(np.asarray(v_once, np.float32) != np.asarray(v_ref, np.float32)) > 0.05
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_gradient_is_the_reference_gradient(qk_norm):
+    cfg = _config(qk_norm=qk_norm)
     layer = _layer(cfg, seed=7)
     x, pos = _inputs(cfg, t=16, seed=8)
     w = [jnp.asarray(np.random.default_rng(9 + i).normal(size=s), jnp.float32)
@@ -166,3 +184,37 @@ def test_which_forwards_use_the_kernel():
         mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
         with jax.set_mesh(mesh):
             assert not qkv_kernel.use_fused("auto", 1024, 4096, 128)
+
+
+def _dot_precisions(jaxpr):
+    """The precision of every dot_general in a jaxpr, sub-jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _dot_precisions(sub)
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["qkv", "swiglu"])
+def test_float32_backward_runs_at_full_precision(kernel):
+    """A float32 policy's products are never TF32 (models.config.matmul_precision); a custom
+    VJP's backward is traced outside the forward's precision context, so the kernels set it
+    for their XLA backward themselves. Every dot of the gradient's program is HIGHEST."""
+    from jaxspec.kernels import swiglu
+
+    rng = np.random.default_rng(11)
+    if kernel == "qkv":
+        cfg = _config()
+        layer = _layer(cfg, seed=12)
+        x, pos = _inputs(cfg, t=16, seed=13)
+        fn = lambda x: sum(jnp.sum(a) for a in layer.self_attn.project_normed(  # noqa: E731
+            x, layer.input_layernorm, pos))
+    else:
+        wg, wu = (jnp.asarray(rng.normal(size=(64, 64)), jnp.float32) for _ in range(2))
+        x = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)
+        fn = lambda x: jnp.sum(swiglu.swiglu(x, wg, wu, True))  # noqa: E731
+    precisions = _dot_precisions(jax.make_jaxpr(jax.grad(fn))(x).jaxpr)
+    assert precisions and all(p is not None and jax.lax.Precision.HIGHEST in tuple(p)
+                              for p in precisions), precisions
