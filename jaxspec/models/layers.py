@@ -121,11 +121,11 @@ def rope_tables(
     config: ModelConfig,
     dtype,
 ):  # -> cos, sin [B, T, head_dim] in dtype
-    """RoPE's cos and sin per token: angles in float32, rounded to `dtype`."""
-    inv_freq = jnp.asarray(rope_inv_freq(config))
-    pos = jnp.maximum(positions, 0).astype(jnp.float32)
-    freqs = pos[..., None] * inv_freq  # [B, T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, D]
+    """RoPE's cos and sin per token, as `apply_rope` computes them (angles in float32, rounded
+    to `dtype`), for the fused attention-input kernel (kernels.qkv)."""
+    angles = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * jnp.asarray(
+        rope_inv_freq(config))  # [B, T, D/2]
+    emb = jnp.concatenate([angles, angles], axis=-1)  # [B, T, D]
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
@@ -135,8 +135,12 @@ def apply_rope(
     config: ModelConfig,
 ):
     """Rotary embedding, HF "rotate_half" layout; angles in float32, product in x's dtype."""
-    cos, sin = rope_tables(positions, config, x.dtype)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, D]
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    pos = jnp.maximum(positions, 0).astype(jnp.float32)
+    freqs = pos[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos = jnp.cos(emb).astype(x.dtype)
+    sin = jnp.sin(emb).astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     if config.batch_invariant:  # no FMA: its contraction depends on the fusion (shapes)
