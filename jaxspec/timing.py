@@ -57,3 +57,28 @@ def machine() -> str:
 def median_ratio(num, den) -> float:
     """The median over rounds of num[i] / den[i] (two lists of interleaved timings)."""
     return float(statistics.median(a / b for a, b in zip(num, den, strict=True)))
+
+
+def positive_ints(text: str, flag: str) -> list[int]:
+    """A benchmark script's comma list of positive ints (--batches 1,64), or a ValueError
+    naming the flag and the value."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--{flag} {text!r}: want a comma list of positive ints, e.g. 1,64")
+    return values
+
+
+def write_result(path: str, argv, **fields) -> None:
+    """A benchmark's JSON: `fields` plus the machine, JAX's backend and the script's argv
+    (`argv` as main() got it; None: the command line), written to `path`."""
+    import json
+    import sys
+
+    result = dict(machine=machine(), backend=jax.default_backend(), **fields,
+                  argv=sys.argv[1:] if argv is None else list(argv))
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {path}")

@@ -18,9 +18,7 @@ included; the per-call cost of the copies and the prefill is amortised over the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +27,7 @@ from jaxspec.host import keep_freed_memory
 from jaxspec.decoding import SamplingConfig
 from jaxspec.decoding.engine import generate
 from jaxspec.models import Policy
-from jaxspec.timing import interleaved, machine, median_ratio
+from jaxspec.timing import interleaved, median_ratio, write_result
 
 
 def _parse(argv=None):
@@ -112,13 +110,9 @@ def main(argv=None) -> int:
                              read_ms=read * 1e3, read_gbs=weight_bytes / read / 1e9))
             print(f"  {name:<16} step {step * 1e3:8.2f} ms   {of_bound:6.1%} of the read bound "
                   f"({weight_bytes / step / 1e9:.1f} GB/s effective)", flush=True)
-    result = dict(machine=machine(), backend=jax.default_backend(),
-                  config=args.config, params=base.num_params, weight_bytes=weight_bytes,
-                  steps=args.steps, context=args.context, rounds=args.rounds, rows=rows,
-                  argv=sys.argv[1:] if argv is None else list(argv))
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.json}")
+    write_result(args.json, argv, config=args.config, params=base.num_params,
+                 weight_bytes=weight_bytes, steps=args.steps, context=args.context,
+                 rounds=args.rounds, rows=rows)
     return 0
 
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +38,6 @@ def _parse(argv=None):
     p.add_argument("--json", default="bench_fused.json")
     p.add_argument("overrides", nargs="*", help="config overrides a.b=c")
     return p.parse_args(argv)
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise SystemExit(f"error: --{name} {text!r} is invalid: want a comma list of positive ints")
-    return values
 
 
 def _loop(policy, batch: int, tokens: int, context: int, steps: int):
@@ -73,12 +61,16 @@ def _loop(policy, batch: int, tokens: int, context: int, steps: int):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    batches, tokens = _ints(args.batches, "batches"), _ints(args.tokens, "tokens")
+    from jaxspec.timing import interleaved, median_ratio, positive_ints, write_result
+
+    try:
+        batches, tokens = positive_ints(args.batches, "batches"), positive_ints(args.tokens, "tokens")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     from jaxspec.config import load_config
     from jaxspec.gpu_targets.inspect import floor_bytes
     from jaxspec.models import Policy
     from jaxspec.rl.trainer import prepare_run
-    from jaxspec.timing import interleaved, machine, median_ratio
 
     model = prepare_run(load_config(args.config, args.overrides)).model_config
     base = Policy.init(model, jax.random.key(0))
@@ -106,13 +98,8 @@ def main(argv=None) -> int:
             print(f"batch {batch:4d} x {fed:3d} tokens: xla {step['xla']:8.3f} ms, fused "
                   f"{step['pallas']:8.3f} ms, fused speedup {row['speedup']:.3f}x (median of "
                   f"rounds); HBM floor {floor_ms:.3f} ms at {args.bandwidth:.0f} GB/s", flush=True)
-    result = dict(machine=machine(), backend=jax.default_backend(), config=args.config,
-                  context=args.context, steps=args.steps, rounds=args.rounds,
-                  bandwidth_gbs=args.bandwidth, rows=rows,
-                  argv=sys.argv[1:] if argv is None else list(argv))
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.json}")
+    write_result(args.json, argv, config=args.config, context=args.context, steps=args.steps,
+                 rounds=args.rounds, bandwidth_gbs=args.bandwidth, rows=rows)
     return 0
 
 

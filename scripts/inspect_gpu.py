@@ -57,16 +57,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ValueError(f"--{name} {text!r}: want a comma list of positive ints, e.g. 1,64")
-    return values
-
-
 def model_config(cfg):
     """The run's ModelConfig: from model.hf_path's config.json when that directory exists,
     else from the model section's fields (vocab_size required)."""
@@ -113,11 +103,12 @@ def _row(r: dict) -> str:
 def main(argv=None) -> int:
     args = _parse(argv)
     from jaxspec import gpu_targets
+    from jaxspec.timing import positive_ints
 
     if args.target not in gpu_targets.TARGETS:
         return _fail(f"--target {args.target!r} is unknown; valid: {', '.join(gpu_targets.TARGETS)}")
     try:
-        batches = _ints(args.batches, "batches")
+        batches = positive_ints(args.batches, "batches")
         if args.context < 16:
             raise ValueError(f"--context {args.context}: must be >= 16")
         if args.devices < 1:

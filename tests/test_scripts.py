@@ -59,7 +59,7 @@ def test_bench_fused_times_both_variants_and_refuses_bad_sizes(tmp_path):
     import json
 
     main = _main("bench_fused.py")
-    with pytest.raises(SystemExit, match=r"--tokens '4,0' is invalid"):
+    with pytest.raises(SystemExit, match=r"error: --tokens '4,0': want a comma list of positive ints"):
         main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--tokens", "4,0"])
     out = tmp_path / "fused.json"
     assert main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--batches", "2", "--tokens",
