@@ -58,6 +58,18 @@ def _release_executables(request):
     gc.collect()
 
 
+if os.environ.get("JAXSPEC_TEST_PROFILE"):  # per-test CPU and compile seconds (suite_profile)
+    from jaxspec.testing.suite_profile import Recorder
+
+    _RECORDER = Recorder(os.environ["JAXSPEC_TEST_PROFILE"])
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _RECORDER.begin()
+        yield
+        _RECORDER.end(item.nodeid)
+
+
 def _has_gpu() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices())

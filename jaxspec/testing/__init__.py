@@ -19,6 +19,8 @@ Modules:
     rl: the short tiny GRPO config, the session's warmed-up base, and run comparisons.
     torch_mtp: an independent PyTorch MTP layer (needs torch).
     hf_models: O(1) random weights for tiny transformers models (needs torch).
+    suite_profile: per-test wall / CPU / subprocess CPU and JAX compile seconds
+        (JAXSPEC_TEST_PROFILE=DIR), summarised by file (`python -m jaxspec.testing.suite_profile DIR`).
     multiprocess_sharding, multiprocess_grpo: worker processes of the multi-process tests
         (`python -m jaxspec.testing.<name> ...`); multiprocess_grpo also launches its runs
         and compares them (tests/rl/test_multiprocess_grpo.py).

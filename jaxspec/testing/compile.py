@@ -48,9 +48,13 @@ def cheap_compiles() -> bool:
 
 def subprocess_env(env: dict) -> dict:
     """`env` (a subprocess's environment) plus what makes the subprocess compile as this
-    process compiles now, and share this process's persistent compilation cache (if it has
-    one), so that a program the suite compiled is a cache read there."""
+    process compiles now (JAX's flag, and XLA's emitter flag in `XLA_FLAGS`, which a caller
+    may have replaced to set a device count), and share this process's persistent
+    compilation cache (if it has one), so that a program the suite compiled is a cache read
+    there."""
     out = {**env, _ENV: "true" if cheap_compiles() else "false"}
+    flags = [f for f in out.get("XLA_FLAGS", "").split() if f != CHEAP_XLA_FLAG]
+    out["XLA_FLAGS"] = " ".join(flags + ([CHEAP_XLA_FLAG] if cheap_compiles() else []))
     cache_dir = jax.config.jax_compilation_cache_dir
     if cache_dir:
         out.update(JAX_COMPILATION_CACHE_DIR=cache_dir,

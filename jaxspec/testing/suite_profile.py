@@ -1,0 +1,125 @@
+"""Where the test suite's time goes: per test, its wall time, this process's CPU seconds,
+its subprocesses' CPU seconds, and JAX's compile events (XLA compiles, tracing, lowering to
+MLIR), through JAX's public `jax.monitoring` listeners.
+
+Recording (tests/conftest.py turns it on when the variable names a directory):
+
+    JAXSPEC_TEST_PROFILE=/tmp/suite python -m pytest -q -n 2
+
+writes one JSON line per test to DIR/<worker>-<pid>.jsonl. Summary, by test file, largest first:
+
+    python -m jaxspec.testing.suite_profile /tmp/suite [--top 30]
+
+Subprocess CPU is what a test's subprocesses used while it ran (`RUSAGE_CHILDREN`); their
+compiles are in that figure, not in the compile columns, which count this process only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import resource
+import time
+
+EVENTS = {  # jax.monitoring event -> column
+    "/jax/core/compile/backend_compile_duration": "xla",
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+}
+_PARENT = "JAXSPEC_TEST_PROFILE_PARENT"
+
+
+class Recorder:
+    """Per-test records: tests/conftest.py calls `begin` and `end` around each test's
+    protocol (set-up, call, tear-down); the listener adds the running test's compile events."""
+
+    def __init__(self, directory: str):
+        import jax.monitoring
+
+        self.dir = pathlib.Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.events: collections.Counter = collections.Counter()
+        self.running = False
+        self.out = None
+        # A pytest run inside a test (tests/test_compiled_as_users.py) records too; its lines
+        # are marked nested, as its CPU is already its parent test's subprocess CPU.
+        # (set by `begin`: processes that run tests, not pytest-xdist's controller)
+        self.nested = os.environ.get(_PARENT) == "1"
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        column = EVENTS.get(event)
+        if column and self.running:
+            self.events[column] += duration
+            if column == "xla":
+                self.events["compiles"] += 1
+
+    def _file(self):
+        if self.out is None:
+            name = os.environ.get("PYTEST_XDIST_WORKER", "main")  # (a nested run inherits it)
+            self.out = open(self.dir / f"{name}-{os.getpid()}.jsonl", "a", buffering=1)
+        return self.out
+
+    def begin(self) -> None:
+        """A test starts: its clocks from now."""
+        os.environ[_PARENT] = "1"  # a pytest run that this test starts is nested
+        self.start = (time.monotonic(), resource.getrusage(resource.RUSAGE_SELF),
+                      resource.getrusage(resource.RUSAGE_CHILDREN))
+        self.events.clear()
+        self.running = True
+
+    def end(self, nodeid: str) -> None:
+        """The test ended: write its line."""
+        self.running = False
+        t0, own0, kids0 = self.start
+        own1, kids1 = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+        def cpu(a, b):
+            return round((b.ru_utime + b.ru_stime) - (a.ru_utime + a.ru_stime), 3)
+
+        self._file().write(json.dumps({
+            "test": nodeid, "wall": round(time.monotonic() - t0, 3), "cpu": cpu(own0, own1),
+            "subprocess_cpu": cpu(kids0, kids1), "nested": self.nested,
+            **{k: round(v, 3) for k, v in self.events.items()}}) + "\n")
+
+
+def summarize(directory: str, top: int = 30) -> str:
+    """A table by test file of the recorded lines, largest CPU (own + subprocesses) first;
+    "all" leaves out nested runs' lines (counted in their parent's subprocess CPU)."""
+    files: dict = collections.defaultdict(collections.Counter)
+    for path in sorted(pathlib.Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            name = row.pop("test").split("::")[0] + (" (nested)" if row.pop("nested", False) else "")
+            total = files[name]
+            total["tests"] += 1
+            total.update({k: v for k, v in row.items() if isinstance(v, (int, float))})
+    if not files:
+        raise SystemExit(f"error: no profile lines (*.jsonl) in {directory}")
+    columns = ("tests", "wall", "cpu", "subprocess_cpu", "xla", "compiles", "trace", "lower")
+    everything = collections.Counter()
+    for name, total in files.items():
+        if not name.endswith("(nested)"):
+            everything.update(total)
+    order = sorted(files, key=lambda f: -(files[f]["cpu"] + files[f]["subprocess_cpu"]))[:top]
+    lines = ["| file | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    for name in ["all"] + order:
+        total = everything if name == "all" else files[name]
+        lines.append(f"| {name} | " + " | ".join(f"{total[c]:.0f}" for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory")
+    parser.add_argument("--top", type=int, default=30, help="files to list (default 30)")
+    args = parser.parse_args(argv)
+    print(summarize(args.directory, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
