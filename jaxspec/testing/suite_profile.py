@@ -43,10 +43,11 @@ class Recorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.events: collections.Counter = collections.Counter()
         self.running = False
+        self.start = None  # (monotonic time, own rusage, children's rusage) at `begin`
         self.out = None
-        # A pytest run inside a test (tests/test_compiled_as_users.py) records too; its lines
-        # are marked nested, as its CPU is already its parent test's subprocess CPU.
-        # (set by `begin`: processes that run tests, not pytest-xdist's controller)
+        # A pytest run that a test starts (tests/test_compiled_as_users.py) records too; its
+        # lines are marked nested, as their CPU is the parent test's subprocess CPU. `begin`
+        # sets the variable, so pytest-xdist's controller (which runs no test) does not.
         self.nested = os.environ.get(_PARENT) == "1"
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
