@@ -61,8 +61,8 @@ recorded" marks a commit the run did not record (with its date, to find it in gi
 **CPU** figures come from 2-core machines with JAX 0.10.2 on CPU, and the CPU model matters:
 the same main job measured 0.85x on one and 1.50x on another with 4 rows in flight. Each row
 names its CPU where it was recorded (the bench scripts' JSON records it since,
-`jaxspec.timing.machine`). **H100** figures come from one NVIDIA H100 80GB HBM3 with JAX
-0.11.2. Earlier results of each benchmark are in git history; why the design followed them is
+`jaxspec.timing.machine`). **H100** and **H200** figures come from one NVIDIA H100 80GB HBM3
+or one H200 with JAX 0.11.2 (the lent machines' image). Earlier results of each benchmark are in git history; why the design followed them is
 in docs/design.md.
 
 To update a section after a re-run: `python scripts/benchmarks_doc.py import <bench json>

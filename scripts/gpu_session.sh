@@ -11,6 +11,9 @@
 #   bash scripts/gpu_session.sh engine   # issue 13's tables: 8B and 100M decode bound, live-KV rollout
 #   bash scripts/gpu_session.sh engine2  # issue 13's tables: live-KV decode, tree proposal, long tail
 #   bash scripts/gpu_session.sh fused    # the layer's fused kernels vs XLA, 8B verify steps (~5 min)
+#   bash scripts/gpu_session.sh short    # one 10-minute call: env, gpu kernel tests, 8B plain and
+#                                        # k=3 rollouts at batch 1/64 vs the bound, fused vs XLA at
+#                                        # batch 64, then tests/decoding for what time is left
 # Every step has its own time limit, so one that hangs or fails leaves the rest running;
 # each step's log goes to $OUT (or ./gpu_out) and its last lines to the console.
 # Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first;
@@ -19,7 +22,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 -d .whl jax-triton==0.3.1 tensorboardX==2.6.5
 set -u
-[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine|engine2|fused ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine|engine2|fused|short ..."; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -110,12 +113,30 @@ engine2)  # the rest of issue 13's tables (engine alone fills a 10-minute call)
     --json "$out/longtail.json"
   ;;
 fused)
-  # model.fused_kernels (docs/kernels.md): untimed until a GPU runs this; auto uses them for
-  # 128-4,096-token forwards, so these rows decide whether AUTO_TOKENS stays.
+  # model.fused_kernels=pallas against XLA (docs/kernels.md): slower on an H200 (2026-11-27),
+  # so auto is XLA; a tuned kernel is re-timed here.
   TAIL=20 step fused_8b 400 python3 scripts/bench_fused.py --config configs/qwen3_8b_shape.yaml \
     --batches 16,64 --tokens 4,16,64 --context 2048 --rounds 5 --json "$out/fused_8b.json"
   ;;
-*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2 | fused"; exit 2 ;;
+short)
+  # For a session with one call's worth of device time (15 minutes including the start):
+  # the figures the GPU programs issue changed, most important first; each step's limit keeps
+  # the whole under ~560 s.
+  {
+    nvidia-smi -L; python3 -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda12-plugin|jax-triton|flax|triton) "
+    python3 -c "import jax; print(jax.devices()); import jaxspec.kernels as k; print('jax_triton:', k.jax_triton_available())"
+  } >"$out/env.log" 2>&1
+  cat "$out/env.log"
+  step kernel_tests 100 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rfE --tb=short
+  TAIL=20 step rollout_8b 170 python3 scripts/bench_rollout.py --config configs/qwen3_8b_shape.yaml \
+    --oracle 1.0 --ks 3 --batches 1,64 --rounds 3 --max-new-tokens 96 --bandwidth \
+    --json "$out/rollout_8b.json"
+  TAIL=20 step fused_8b 130 python3 scripts/bench_fused.py --config configs/qwen3_8b_shape.yaml \
+    --batches 64 --tokens 4,16 --context 2048 --rounds 3 --json "$out/fused_8b.json"
+  TAIL=60 step decoding_tests "${DECODING_LIMIT:-140}" python3 -m pytest -v -n 8 tests/decoding \
+    -p no:cacheprovider --tb=line -rfE
+  ;;
+*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2 | fused | short"; exit 2 ;;
 esac
 done
 echo "total +$(( $(date +%s) - start ))s"

@@ -10,14 +10,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # emitters, a flag XLA reads when its backend starts, so before anything runs on it; the
 # modules listed in AS_USERS run compiled as users compile, in a process of their own
 # (tests/test_compiled_as_users.py sets JAXSPEC_TEST_COMPILES=users there).
-_AS_USERS_RUN = os.environ.get("JAXSPEC_TEST_COMPILES") == "users"
-if not _AS_USERS_RUN and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
-
+# (Importing jax reads JAX_PLATFORMS but starts no backend, so the flag can follow it.)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxspec.testing.compile import AS_USERS, use_cheap_compiles  # noqa: E402
+from jaxspec.testing.compile import AS_USERS, CHEAP_XLA_FLAG, cheap_xla_flags, use_cheap_compiles  # noqa: E402
+
+_AS_USERS_RUN = os.environ.get("JAXSPEC_TEST_COMPILES") == "users"
+if not _AS_USERS_RUN and CHEAP_XLA_FLAG not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"], *cheap_xla_flags()])
 
 # One cache shared by the pytest-xdist workers (`-n 2`) and the subprocesses tests launch (they
 # inherit the environment): a program one worker compiled is a cache read for the other. JAX

@@ -34,9 +34,6 @@ from jaxspec.kernels.split_kv import check_block
 
 BLOCK_M, BLOCK_K = 64, 64  # tokens x hidden per step; the columns are one head
 NUM_WARPS, NUM_STAGES = 4, 3
-# fused_kernels "auto": forwards of this many tokens (both ends included) in a one-device
-# GPU program, as kernels.swiglu.AUTO_TOKENS (the same reasoning).
-AUTO_TOKENS = (128, 4096)
 
 
 def fits(tokens: int, hidden: int, head_dim: int, *, block_m: int = BLOCK_M,
@@ -52,7 +49,7 @@ def fits(tokens: int, hidden: int, head_dim: int, *, block_m: int = BLOCK_M,
 def use_fused(kernel: str, tokens: int, hidden: int, head_dim: int) -> bool:
     """Whether a layer computes its attention inputs with `qkv` for ModelConfig.fused_kernels
     `kernel`, as kernels.swiglu.use_fused decides for the MLP."""
-    return fused_kernel_applies(kernel, fits(tokens, hidden, head_dim), tokens, AUTO_TOKENS)
+    return fused_kernel_applies(kernel, fits(tokens, hidden, head_dim))
 
 
 def _kernel(x_ref, inv_ref, ln_ref, wq_ref, wk_ref, wv_ref, qs_ref, ks_ref, cos_ref, sin_ref,

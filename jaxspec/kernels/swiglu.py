@@ -65,19 +65,10 @@ def _swiglu_kernel(x_ref, wg_ref, wu_ref, o_ref, *, block_k: int, k_steps: int):
     o_ref[...] = swiglu_epilogue(gate, up, o_ref.dtype)
 
 
-# fused_kernels "auto": the fused kernel for forwards of this many tokens (both ends included) in
-# a one-device GPU program. Below, the projections' outputs are small beside the weights
-# (a decode step of 64 rows writes 3 MB per layer against 300 MB of weights read); above, a
-# forward is compute-bound (prefill, training) and XLA's autotuned matmuls serve it.
-AUTO_TOKENS = (128, 4096)
-
-
 def use_fused(kernel: str, tokens: int, hidden: int, mlp: int) -> bool:
     """Whether the MLP runs `swiglu` for ModelConfig.fused_kernels `kernel` ("auto", "xla" or
-    "pallas") at these sizes. The platform is the target's (kernels.platform); a program on
-    a mesh of several devices keeps XLA under "auto" (a kernel is not partitioned: XLA
-    would gather its operands)."""
-    return fused_kernel_applies(kernel, fits(tokens, hidden, mlp), tokens, AUTO_TOKENS)
+    "pallas") at these sizes (`tokens` rows of width `hidden`, `mlp` intermediate)."""
+    return fused_kernel_applies(kernel, fits(tokens, hidden, mlp))
 
 
 def fits(tokens: int, hidden: int, mlp: int, *, block_m: int = BLOCK_M, block_n: int = BLOCK_N,

@@ -63,11 +63,9 @@ class ModelConfig:
     # A decoder layer's two fused Pallas kernels: its attention inputs (input norm, q/k/v
     # projections, QK-norm, RoPE: jaxspec.kernels.qkv) and its MLP's silu(x @ gate) * (x @ up)
     # (jaxspec.kernels.swiglu), each writing only its outputs where XLA writes and re-reads
-    # the intermediates. "xla": never; "pallas": wherever the sizes are whole tiles
-    # (interpreted off GPU); "auto": for forwards of AUTO_TOKENS (128 to 4,096) tokens in a
-    # one-device GPU program (verify-sized forwards, where those intermediates are a real
-    # share of the bytes), XLA otherwise. Never with batch_invariant; EAGLE-3's layer (2H
-    # input) keeps XLA's attention inputs.
+    # the intermediates. "xla" and "auto" (the kernels lose to XLA on a GPU as they stand:
+    # docs/kernels.md): never; "pallas": wherever the sizes are whole tiles (interpreted off
+    # GPU). Never with batch_invariant; EAGLE-3's layer (2H input) keeps XLA's attention inputs.
     fused_kernels: str = "auto"
     # Mixture of experts (family qwen3_moe, HF Qwen3MoeForCausalLM; jaxspec.models.moe): each
     # sparse layer routes a token to `num_experts_per_tok` of `num_experts` SwiGLU experts of

@@ -16,6 +16,7 @@ which tests/test_compiled_as_users.py starts with `JAXSPEC_TEST_COMPILES=users`;
 emitter flag is read once, when XLA's CPU backend starts, so one process cannot hold both.
 """
 
+import importlib.metadata
 import os
 
 import jax
@@ -30,8 +31,20 @@ AS_USERS = (
 )
 AS_USERS_ENV = "JAXSPEC_TEST_COMPILES"  # "users" in the process that runs AS_USERS
 CHEAP_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
+# The last jaxlib whose XLA knows the flag: XLA retired its legacy CPU emitters in 2026-09
+# (openxla/xla#48001) and aborts a process whose XLA_FLAGS name a flag it does not know
+# (jaxlib 0.11.2: "Unknown flag in XLA_FLAGS").
+_LAST_JAXLIB_WITH_FLAG = (0, 10)
 _ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # the flag's environment variable (read at import)
 _cheap = [os.environ.get(_ENV, "").lower() in ("1", "true")]
+
+
+def cheap_xla_flags() -> list[str]:
+    """The XLA_FLAGS entries of a cheap compile that the installed jaxlib accepts: the
+    emitter flag up to jaxlib 0.10, none after (there, cheap is the JAX flag alone)."""
+    release = importlib.metadata.version("jaxlib").split(".")[:2]
+    major_minor = tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release)
+    return [CHEAP_XLA_FLAG] if major_minor <= _LAST_JAXLIB_WITH_FLAG else []
 
 
 def use_cheap_compiles(cheap: bool) -> None:
@@ -54,7 +67,7 @@ def subprocess_env(env: dict) -> dict:
     there."""
     out = {**env, _ENV: "true" if cheap_compiles() else "false"}
     flags = [f for f in out.get("XLA_FLAGS", "").split() if f != CHEAP_XLA_FLAG]
-    out["XLA_FLAGS"] = " ".join(flags + ([CHEAP_XLA_FLAG] if cheap_compiles() else []))
+    out["XLA_FLAGS"] = " ".join(flags + (cheap_xla_flags() if cheap_compiles() else []))
     cache_dir = jax.config.jax_compilation_cache_dir
     if cache_dir:
         out.update(JAX_COMPILATION_CACHE_DIR=cache_dir,

@@ -111,19 +111,14 @@ def test_the_mlp_with_the_kernel_equals_the_mlp_without():
 
 
 def test_which_forwards_use_the_kernel():
-    lo, hi = swiglu.AUTO_TOKENS
     assert not swiglu.use_fused("xla", 1024, 4096, 12288)
     assert swiglu.use_fused("pallas", 1024, 4096, 12288)
     assert not swiglu.use_fused("pallas", 1000, 4096, 12288)  # not whole tiles: XLA
     assert not swiglu.use_fused("auto", 1024, 4096, 12288)  # CPU: XLA
-    with target_platform("gpu"):
-        assert swiglu.use_fused("auto", lo, 4096, 12288)
-        assert swiglu.use_fused("auto", hi, 4096, 12288)
-        assert not swiglu.use_fused("auto", lo - 16, 4096, 12288)  # a decode step: XLA
-        assert not swiglu.use_fused("auto", 2 * hi, 4096, 12288)  # prefill-sized: XLA
-        mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
-        with jax.set_mesh(mesh):  # a sharded program: XLA (a kernel is not partitioned)
-            assert not swiglu.use_fused("auto", 1024, 4096, 12288)
+    with target_platform("gpu"):  # timed slower than XLA at 256 and 1,024 rows (docs/kernels.md)
+        for tokens in (64, 256, 1024, 8192):
+            assert not swiglu.use_fused("auto", tokens, 4096, 12288)
+        assert swiglu.use_fused("pallas", 1024, 4096, 12288)
 
 
 def test_bad_kernel_name_is_one_clear_error():
