@@ -2,7 +2,7 @@
 (`jaxspec.testing.compile.AS_USERS`: batch invariance, log-prob reuse, the unrolled layer
 loop, and the joint-law chi-square tests), run compiled as users compile: default XLA flags
 and full optimisation, in one pytest process of their own. The rest of the suite compiles
-cheaply (tests/conftest.py), with an XLA flag that is read once per process."""
+cheaply (tests/conftest.py), with an XLA flag (jaxlib <= 0.10) that is read once per process."""
 
 import os
 import pathlib

@@ -1,11 +1,13 @@
 """Cheap compiles for tests, through JAX's public `jax_disable_most_optimizations` flag and
 XLA's documented `XLA_FLAGS` (`--xla_cpu_use_fusion_emitters=false`: XLA:CPU's older
-elemental emitters for fused loops), and the environment that gives a subprocess the same
+elemental emitters for fused loops; jaxlib <= 0.10 only, `cheap_xla_flags`: later XLAs
+retired those emitters and abort on the flag), and the environment that gives a subprocess the same
 compiles (numbers compared across processes then come from the same kind of executable).
 
 Cheap: XLA without its expensive optimisation passes (backend optimisation level 0, LLVM's
-expensive passes off) and without the MLIR fusion emitters: together about half the compile
-CPU of a module (tests/decoding/test_engine.py: 93 s -> 47 s on 2 cores of an AMD EPYC).
+expensive passes off) and, up to jaxlib 0.10, without the MLIR fusion emitters: together
+about half the compile CPU of a module (tests/decoding/test_engine.py: 93 s -> 47 s on 2
+cores of an AMD EPYC).
 Both are part of the persistent compilation cache's key, so a cheap executable is never
 served to a full compile, nor the reverse.
 
@@ -18,6 +20,7 @@ emitter flag is read once, when XLA's CPU backend starts, so one process cannot 
 
 import importlib.metadata
 import os
+import re
 
 import jax
 
@@ -42,8 +45,8 @@ _cheap = [os.environ.get(_ENV, "").lower() in ("1", "true")]
 def cheap_xla_flags() -> list[str]:
     """The XLA_FLAGS entries of a cheap compile that the installed jaxlib accepts: the
     emitter flag up to jaxlib 0.10, none after (there, cheap is the JAX flag alone)."""
-    release = importlib.metadata.version("jaxlib").split(".")[:2]
-    major_minor = tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release)
+    found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("jaxlib"))
+    major_minor = (int(found[1]), int(found[2])) if found else (0, 0)
     return [CHEAP_XLA_FLAG] if major_minor <= _LAST_JAXLIB_WITH_FLAG else []
 
 
