@@ -11,9 +11,9 @@
 #   bash scripts/gpu_session.sh engine   # issue 13's tables: 8B and 100M decode bound, live-KV rollout
 #   bash scripts/gpu_session.sh engine2  # issue 13's tables: live-KV decode, tree proposal, long tail
 #   bash scripts/gpu_session.sh fused    # the layer's fused kernels vs XLA, 8B verify steps (~5 min)
-#   bash scripts/gpu_session.sh short    # one 10-minute call: env, gpu kernel tests, 8B plain and
-#                                        # k=3 rollouts at batch 1/64 vs the bound, fused vs XLA at
-#                                        # batch 64, then tests/decoding for what time is left
+#   bash scripts/gpu_session.sh short    # one 10-minute call: 8B plain and k=3 rollouts at batch
+#                                        # 1/64 vs the bound, fused vs XLA at batch 64, the gpu
+#                                        # kernel tests, tests/decoding for 80 s
 # Every step has its own time limit, so one that hangs or fails leaves the rest running;
 # each step's log goes to $OUT (or ./gpu_out) and its last lines to the console.
 # Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first;
@@ -41,28 +41,37 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
   grep -v -E "^\s*$|Writing model shards|it/s\]" "$out/$name.log" | tail -n "${TAIL:-25}" | cut -c1-230
 }
 
+report_env() {  # the device and the versions the figures were measured with
+  {
+    nvidia-smi -L; python3 -c "import sys; print(sys.version)"
+    python3 -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda12-plugin|jax-triton|flax|optax|orbax-checkpoint|pydantic|transformers|triton|numpy|torch|tensorboardx) "
+    python3 -c "import jax; print(jax.devices()); import jaxspec.kernels as k; print('jax_triton:', k.jax_triton_available())"
+  } >"$out/env.log" 2>&1
+  cat "$out/env.log"
+}
+
+gpu_tests() {  # gpu_tests DECODING_LIMIT: the gpu-marked kernel tests, then tests/decoding on CUDA
+  # The 10 kernel tests are one file (serial under xdist): ~98 s on an H200, mostly compiles.
+  step kernel_tests 180 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rfE --tb=short
+  # -v: each result is logged as it completes, so a time limit still leaves the names.
+  TAIL=60 step decoding_tests "$1" python3 -m pytest -v -n 8 tests/decoding \
+    -p no:cacheprovider --tb=line -rfE
+}
+
 # JAX takes 75% of the GPU at start-up unless told otherwise; test workers share the GPU.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false JAXSPEC_TEST_PLATFORMS=cuda
 for phase in "$@"; do
 case $phase in
 check)
-  {
-    nvidia-smi -L; python3 -c "import sys; print(sys.version)"
-    python3 -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda|jax-triton|flax|optax|orbax|transformers|triton|numpy|torch|tensorboardx) "
-    python3 -c "import jax; print(jax.devices()); import jaxspec.kernels as k; print('jax_triton:', k.jax_triton_available())"
-  } >"$out/env.log" 2>&1
-  cat "$out/env.log"
+  report_env
   step hf_parity 60 python3 scripts/hf_parity.py
   TAIL=40 step exactness 100 python3 scripts/bench_exactness.py --rows 512 --tokens 24 --repeats 3
   step smoke_8b 130 python3 scripts/bench_rollout.py --config configs/qwen3_8b_shape.yaml \
     --oracle 1.0 --ks 1 --batches 1 --rounds 1 --max-new-tokens 16 --json "$out/smoke_8b.json"
   ;;
 tests)
-  step kernel_tests 100 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider
-  # -v: each result is logged as it completes, so a time limit still leaves the names.
   # 175 s on 8 workers covered ~3/4 of tests/decoding on an H100: give it 300 s.
-  TAIL=60 step decoding_tests "${DECODING_LIMIT:-300}" python3 -m pytest -v -n 8 tests/decoding \
-    -p no:cacheprovider --tb=line -rfE
+  gpu_tests "${DECODING_LIMIT:-300}"
   ;;
 kernels)
   TAIL=90 step kernels 260 python3 scripts/bench_kernels.py --out "$out/kernels.json"
@@ -120,21 +129,14 @@ fused)
   ;;
 short)
   # For a session with one call's worth of device time (15 minutes including the start):
-  # the figures the GPU programs issue changed, most important first; each step's limit keeps
-  # the whole under ~560 s.
-  {
-    nvidia-smi -L; python3 -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda12-plugin|jax-triton|flax|triton) "
-    python3 -c "import jax; print(jax.devices()); import jaxspec.kernels as k; print('jax_triton:', k.jax_triton_available())"
-  } >"$out/env.log" 2>&1
-  cat "$out/env.log"
-  step kernel_tests 100 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rfE --tb=short
+  # the figures the GPU programs issue changed, most important first, in ~9.5 minutes.
+  report_env
   TAIL=20 step rollout_8b 170 python3 scripts/bench_rollout.py --config configs/qwen3_8b_shape.yaml \
     --oracle 1.0 --ks 3 --batches 1,64 --rounds 3 --max-new-tokens 96 --bandwidth \
     --json "$out/rollout_8b.json"
   TAIL=20 step fused_8b 130 python3 scripts/bench_fused.py --config configs/qwen3_8b_shape.yaml \
     --batches 64 --tokens 4,16 --context 2048 --rounds 3 --json "$out/fused_8b.json"
-  TAIL=60 step decoding_tests "${DECODING_LIMIT:-140}" python3 -m pytest -v -n 8 tests/decoding \
-    -p no:cacheprovider --tb=line -rfE
+  gpu_tests "${DECODING_LIMIT:-80}"
   ;;
 *) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2 | fused | short"; exit 2 ;;
 esac

@@ -6,17 +6,15 @@ import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAXSPEC_TEST_PLATFORMS", "cpu"))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# The suite's processes compile cheaply (jaxspec.testing.compile): XLA:CPU's older fusion
-# emitters (jaxlib <= 0.10), a flag XLA reads when its backend starts, so before anything
-# runs on it; the
-# modules listed in AS_USERS run compiled as users compile, in a process of their own
-# (tests/test_compiled_as_users.py sets JAXSPEC_TEST_COMPILES=users there).
-# (Importing jax reads JAX_PLATFORMS but starts no backend, so the flag can follow it.)
-import jax  # noqa: E402
+import jax  # noqa: E402  (reads JAX_PLATFORMS; starts no backend yet)
 import pytest  # noqa: E402
 
 from jaxspec.testing.compile import AS_USERS, cheap_xla_flags, use_cheap_compiles  # noqa: E402
 
+# The suite's processes compile cheaply (jaxspec.testing.compile): with jaxlib <= 0.10 also
+# XLA:CPU's older fusion emitters, a flag XLA reads when its backend starts, so before
+# anything runs on it. The modules listed in AS_USERS run compiled as users compile, in a
+# process of their own (tests/test_compiled_as_users.py sets JAXSPEC_TEST_COMPILES=users).
 _AS_USERS_RUN = os.environ.get("JAXSPEC_TEST_COMPILES") == "users"
 if not _AS_USERS_RUN and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"], *cheap_xla_flags()])
@@ -35,9 +33,9 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 # Compile time dominates the suite, so test programs compile cheaply
-# (jaxspec.testing.compile: JAX's public jax_disable_most_optimizations and the emitter flag
-# above where jaxlib has it), except the AS_USERS modules, which assert bitwise equalities of the production
-# numerics (and test_joint_law, whose 2^20-rollout chi-square runs outweigh its compiles).
+# (jaxspec.testing.compile: JAX's public jax_disable_most_optimizations and, where jaxlib
+# has it, the emitter flag above), except the AS_USERS modules, which assert bitwise
+# equalities of the production numerics (and test_joint_law, whose 2^20-rollout chi-square runs outweigh its compiles).
 # Subprocesses that tests compare against compile as the test does
 # (jaxspec.testing.compile.subprocess_env; XLA_FLAGS is inherited).
 
