@@ -195,7 +195,7 @@ def check_sampling(sampling, method: str) -> SamplingConfig:
                 f"got SamplingConfig.temperature={t!r}: use method='replay' (lossless at any "
                 f"temperature) or SamplingConfig(temperature=0.0)"
             )
-    return sampling
+    return sampling.without_unused_filters()  # no filter compiled where both are off
 
 
 def check_method(method) -> None:

@@ -69,6 +69,44 @@ class SamplingConfig:
     def greedy(cls) -> SamplingConfig:
         return cls(temperature=0.0)
 
+    def without_unused_filters(self) -> SamplingConfig:
+        """This config as one whose program holds no top-k/top-p filter (no conditional, fewer
+        kernels) where its concrete top_k is 0 and top_p 1.0; itself otherwise (a filter on,
+        or values traced or not on this host). `generate` compiles with it, so switching a
+        filter on (off) compiles one more program, a new value within either never does."""
+        if type(self) is not SamplingConfig:
+            return self
+        top_k, top_p = _host_value(self.top_k), _host_value(self.top_p)
+        if top_k == 0 and top_p == 1.0:
+            return _Unfiltered(self.temperature, self.top_k, self.top_p)
+        return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Unfiltered(SamplingConfig):
+    """A SamplingConfig whose top-k and top-p are off (top_k 0, top_p 1.0), known before
+    tracing: its own pytree type, so the processed distribution compiles without the filters
+    (`SamplingConfig.without_unused_filters`)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        top_k, top_p = _host_value(self.top_k), _host_value(self.top_p)
+        if (top_k is not None and top_k != 0) or (top_p is not None and top_p != 1.0):
+            raise ValueError(f"an unfiltered SamplingConfig needs top_k 0 and top_p 1.0; got "
+                             f"top_k={top_k}, top_p={top_p}")
+
+
+def _host_value(value):
+    """A setting's value on the host, or None (traced, pytree plumbing, or not addressable)."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if isinstance(value, jax.Array):
+        return np.asarray(value).item() if value.is_fully_addressable else None
+    if isinstance(value, (int, float, np.ndarray, np.generic)):
+        return np.asarray(value).item()
+    return None
+
 
 _SETTING_DTYPES = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32}
 
@@ -154,7 +192,8 @@ def processed_logits(
         # The top token (z == 0) survives whatever the settings, even traced invalid ones.
         return jnp.where((top_p >= 1.0) | kept_p | (z >= 0), z, -jnp.inf)
 
-    z = jax.lax.cond((top_k > 0) | (top_p < 1.0), truncate, lambda z: z, z)
+    if not isinstance(cfg, _Unfiltered):  # (unfiltered: both filters known to be off)
+        z = jax.lax.cond((top_k > 0) | (top_p < 1.0), truncate, lambda z: z, z)
     greedy = jnp.where(jnp.arange(vocab) == jnp.argmax(x, axis=-1, keepdims=True), 0.0, -jnp.inf)
     return jnp.where(temperature > 0, z, greedy.astype(jnp.float32))
 

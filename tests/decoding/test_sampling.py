@@ -45,6 +45,36 @@ def test_process_logits_matches_float64_reference(vocab):
         np.testing.assert_allclose(got, expected, atol=2e-6, err_msg=f"{setting}")
 
 
+def test_unused_filters_compile_away_with_the_same_draws():
+    """`without_unused_filters` (what `generate` compiles with): where top-k and top-p are off
+    the program holds no filter (one conditional fewer) and draws the same tokens and
+    log-probs, bit for bit, as the program with the traced filters; both against the float64
+    definition. Any filter on, or values only known inside a trace: the config unchanged."""
+    logits = jnp.asarray(_logits(300))  # the bisection path: the largest filter program
+    draw = lambda cfg: jax.jit(sample).lower(jax.random.key(3), logits, cfg, jnp.arange(6)).compile()
+    for temperature in (1.0, 0.6, 0.0):
+        traced = SamplingConfig(temperature)
+        unfiltered = traced.without_unused_filters()
+        assert type(unfiltered) is not SamplingConfig and isinstance(unfiltered, SamplingConfig)
+        programs = [draw(cfg) for cfg in (traced, unfiltered)]
+        counts = [p.as_text().count(" conditional(") for p in programs]
+        assert counts[1] == counts[0] - 1, counts
+        (tok_a, lp_a), (tok_b, lp_b) = (
+            p(jax.random.key(3), logits, cfg, jnp.arange(6)) for p, cfg in zip(programs, (traced, unfiltered)))
+        np.testing.assert_array_equal(tok_a, tok_b)
+        np.testing.assert_array_equal(lp_a, lp_b)
+        np.testing.assert_allclose(np.exp(np.asarray(process_logits(logits, unfiltered), np.float64)),
+                                   processed_probs(np.asarray(logits), temperature, 0, 1.0), atol=2e-6)
+    for on in (SamplingConfig(1.0, 3, 1.0), SamplingConfig(1.0, 0, 0.9), SamplingConfig(0.0, 1, 0.5)):
+        assert on.without_unused_filters() is on
+    kinds = []
+    jax.jit(lambda cfg: kinds.append(type(cfg.without_unused_filters())))(SamplingConfig(1.0))
+    assert kinds == [SamplingConfig]  # traced values: not known to be off
+    unfiltered = SamplingConfig(1.0).without_unused_filters()
+    with pytest.raises(ValueError, match=r"top_k 0 and top_p 1.0; got top_k=0, top_p=0.5"):
+        type(unfiltered)(1.0, 0, 0.5)
+
+
 def test_process_logits_large_vocabulary_top_k_top_p():
     # A real vocabulary size, bisection path: exact top-k count, top-p mass just over top_p.
     logits = jax.random.normal(jax.random.key(0), (3, 151_936)) * 3
