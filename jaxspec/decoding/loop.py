@@ -193,7 +193,6 @@ def step(spec: LoopSpec, inp: LoopInputs, s: LoopState, depth) -> LoopState:
     root = jnp.take_along_axis(s.buffer, root_pos[:, None], axis=1)  # [slots, 1]
     iteration = s.stats.target_forwards
     ctx = _context(spec, inp, s, d, slot_rows, active)
-    s, flushed = depth.before_propose(spec, inp, s)
     tree, draft_probs, draft_state = d.propose(s.draft_state, policy, ctx)
     fed = jnp.concatenate([root, tree.tokens], axis=1)  # [slots, N+1]
     positions = jnp.where(active[:, None], tree.positions(root_pos), -1)
@@ -212,7 +211,7 @@ def step(spec: LoopSpec, inp: LoopInputs, s: LoopState, depth) -> LoopState:
     obs = _observation(fed, captured, verdict, kept, n_emit, root_pos)
     draft_state, pending, observed = depth.absorb(spec, inp, s, draft_state, obs)
     stats = _counted(spec, s, depth, verdict.num_accepted, n_emit, active,
-                     flushed + d.forwards_per_propose + observed)
+                     d.forwards_per_propose + observed)
     out = dataclasses.replace(
         s, buffer=s.buffer.at[b_idx, write_at].set(verdict.tokens, mode="drop"),
         logprobs=s.logprobs.at[b_idx, write_at].set(verdict.logprobs, mode="drop"),

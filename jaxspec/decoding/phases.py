@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.adaptive import choose_k
 from jaxspec.decoding.loop import running, step
 from jaxspec.decoding.loop_state import LoopInputs, LoopSpec, LoopState
-from jaxspec.decoding.schedule import AdaptiveDepth, FullDepth
+from jaxspec.decoding.schedule import AdaptiveDepth, FullDepth, flush
 
 
 def plain_index(inp: LoopInputs) -> int | None:
@@ -42,8 +42,15 @@ def full_loop(spec: LoopSpec, inp: LoopInputs, s: LoopState) -> LoopState:
 
 def draft_phase(spec: LoopSpec, inp: LoopInputs, s: LoopState) -> LoopState:
     """Adaptive k: iterations at the chosen drafted k, until the loop stops or k = 0 is
-    chosen. Every inner pass runs at least one iteration."""
+    chosen, after the drafter has observed what k = 0 deferred (`schedule.flush`: once, at
+    the phase's start, as nothing is deferred while it drafts; counted as draft forwards
+    where the loop runs). Every inner pass runs at least one iteration."""
     ks, zero = inp.adaptive.ks, plain_index(inp)
+    if spec.defer:
+        runs = running(spec, inp, s) if zero is None else running(spec, inp, s) & (pick(inp, s) != zero)
+        s, forwards = flush(spec, inp, s, when=runs)
+        s = dataclasses.replace(s, stats=dataclasses.replace(
+            s.stats, draft_forwards=s.stats.draft_forwards + forwards))
 
     def body(s):
         for i, k in enumerate(ks):
@@ -59,17 +66,16 @@ def draft_phase(spec: LoopSpec, inp: LoopInputs, s: LoopState) -> LoopState:
 
 def plain_phase(spec: LoopSpec, inp: LoopInputs, s: LoopState) -> LoopState:
     """Adaptive k = 0 until the next probe (or to the iteration cap when k = 0 is forced);
-    entries kept for the drafter only in the last `window` iterations. Its iterations are
-    counted at k = 0 when it ends."""
+    entries kept for the drafter only in the last `window` iterations (a traced `record`:
+    one loop, one copy of the step). Its iterations are counted at k = 0 when it ends."""
     window = inp.adaptive.window
     forced = inp.force_k == plain_index(inp)
     start = s.stats.target_forwards
     end = jnp.where(forced, inp.max_iterations, s.adapt.next_probe)
-    s = jax.lax.while_loop(
-        lambda s: running(spec, inp, s) & (forced | (s.stats.target_forwards < end - window)),
-        lambda s: step(spec, inp, s, AdaptiveDepth(0, record=False)), s)
-    s = jax.lax.while_loop(lambda s: running(spec, inp, s) & (s.stats.target_forwards < end),
-                           lambda s: step(spec, inp, s, AdaptiveDepth(0)), s)
+    s = jax.lax.while_loop(  # (forced: `running` stops at the cap, which is `end`)
+        lambda s: running(spec, inp, s) & (s.stats.target_forwards < end),
+        lambda s: step(spec, inp, s, AdaptiveDepth(
+            0, record=~forced & (s.stats.target_forwards >= end - window))), s)
     st = s.stats
     return dataclasses.replace(s, stats=dataclasses.replace(
         st, k_iterations=st.k_iterations.at[0].add(st.target_forwards - start)))

@@ -4,8 +4,8 @@
 draft length of adaptive k (`jaxspec.decoding.adaptive`): the drafter's `with_k(k)` (k = 0:
 plain decoding), the acceptance counts and probe clock updated after drafted iterations,
 and, for a drafter whose `observe` runs a network (`LoopSpec.defer`), k = 0 iterations that
-keep the committed entries in a window (`record`) instead of observing them; the next
-drafted iteration observes them first, in one forward sized to the draft cache (`flush`).
+keep the committed entries in a window (`record`) instead of observing them; the draft
+phase observes them first, in one forward sized to the draft cache (`flush`).
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ class FullDepth:
         """`slots.refill`'s options: refills observe their prompts at once."""
         return dict(defer_prompts=False, window_live=False)
 
-    def before_propose(self, spec: LoopSpec, inp: LoopInputs, s: LoopState):
-        """-> (state, draft forwards spent): nothing to catch up."""
-        return s, 0
-
     def absorb(self, spec: LoopSpec, inp: LoopInputs, s: LoopState, draft_state, obs: Observation):
         """-> (draft state, deferred window, draft forwards): the drafter observes now."""
         return inp.drafter.observe(draft_state, inp.policy, obs), s.pending, inp.drafter.forwards_per_observe
@@ -51,11 +47,11 @@ class FullDepth:
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveDepth:
-    """One iteration at static draft length k of `inp.adaptive`; `record` (k = 0): keep the
-    iteration's entries for the drafter's next observation."""
+    """One iteration at static draft length k of `inp.adaptive`; `record` (k = 0; a bool, or
+    a traced [] bool): keep the iteration's entries for the drafter's next observation."""
 
     k: int
-    record: bool = True
+    record: bool | jax.Array = True
 
     def drafter(self, inp: LoopInputs) -> Drafter:  # (k = 0: NoDrafter)
         return inp.variants[self.k]
@@ -68,15 +64,9 @@ class AdaptiveDepth:
 
     def refill_options(self, spec: LoopSpec) -> dict:
         """`slots.refill`'s options after this iteration: prompts started during k = 0 wait
-        for the flush; the window holds entries only in k = 0's recording iterations."""
-        return dict(defer_prompts=self.defers(spec), window_live=self.defers(spec) and self.record)
-
-    def before_propose(self, spec: LoopSpec, inp: LoopInputs, s: LoopState):
-        """-> (state, draft forwards spent): a drafted iteration first observes what k = 0
-        deferred."""
-        if not (spec.defer and self.k):
-            return s, 0
-        return flush(spec, inp, s)
+        for the flush, and a started row's old entries leave the window (which is empty
+        before k = 0's recording iterations: the clearing changes nothing there)."""
+        return dict(defer_prompts=self.defers(spec), window_live=self.defers(spec))
 
     def absorb(self, spec: LoopSpec, inp: LoopInputs, s: LoopState, draft_state, obs: Observation):
         """-> (draft state, deferred window, draft forwards)."""
@@ -84,10 +74,14 @@ class AdaptiveDepth:
             return (inp.drafter.observe(draft_state, inp.policy, obs), s.pending,
                     inp.drafter.forwards_per_observe)
         pending = s.pending
-        if self.record:  # one entry per row, written over the window's oldest
+        if self.record is not False:  # one entry per row, written over the window's oldest
             at = s.stats.target_forwards % spec.window
-            pending = jax.tree.map(lambda w, e: jax.lax.dynamic_update_slice_in_dim(w, e, at, axis=1),
-                                   pending, obs)
+
+            def put(w, e):  # (a traced record that is False writes the old entry back)
+                if self.record is not True:
+                    e = jnp.where(self.record, e, jax.lax.dynamic_slice_in_dim(w, at, 1, axis=1))
+                return jax.lax.dynamic_update_slice_in_dim(w, e, at, axis=1)
+            pending = jax.tree.map(put, pending, obs)
         return draft_state, pending, 0
 
     def after(self, inp: LoopInputs, s: LoopState, num_accepted, active, iteration) -> LoopState:
@@ -103,16 +97,17 @@ class AdaptiveDepth:
         return dataclasses.replace(s, stats=stats, adapt=adapt)
 
 
-def flush(spec: LoopSpec, inp: LoopInputs, s: LoopState):
-    """Reset the drafter rows of rollouts started during k = 0 (if any) and observe the
-    deferred entries (if any: their prompts, then the window) in one forward, in position
-    order and cut to the draft cache's capacity (the entries hold distinct positions below
-    it, so no real entry is cut). -> (state with the deferred buffers emptied, forwards)."""
+def flush(spec: LoopSpec, inp: LoopInputs, s: LoopState, when=True):
+    """Where `when` ([] bool; the draft phase: its loop runs), reset the drafter rows of
+    rollouts started during k = 0 (if any) and observe the deferred entries (if any: their
+    prompts, then the window) in one forward, in position order and cut to the draft cache's
+    capacity (the entries hold distinct positions below it, so no real entry is cut).
+    -> (state with the deferred buffers emptied where `when`, draft forwards spent)."""
     pending, pending_prompt, pending_reset = s.pending, s.pending_prompt, s.pending_reset
     both = pending if pending_prompt is None else jax.tree.map(
         lambda a, b: jnp.concatenate([a, b], axis=1), pending_prompt, pending)
-    has = jnp.any(both.positions >= 0)
-    resets = jnp.asarray(False) if pending_reset is None else jnp.any(pending_reset)
+    has = jnp.any(both.positions >= 0) & when
+    resets = (jnp.asarray(False) if pending_reset is None else jnp.any(pending_reset)) & when
 
     def catch_up(st):  # the inner conditionals run only where there is something to do
         if pending_reset is not None:
@@ -122,8 +117,9 @@ def flush(spec: LoopSpec, inp: LoopInputs, s: LoopState):
         return jax.lax.cond(has, observe, lambda t: t, st)
 
     draft_state = jax.lax.cond(has | resets, catch_up, lambda st: st, s.draft_state)
+    emptied = lambda new, old: jax.tree.map(lambda a, b: jnp.where(when, a, b), new, old)  # noqa: E731
     s = dataclasses.replace(
-        s, draft_state=draft_state, pending=pending.cleared(),
-        pending_prompt=None if pending_prompt is None else pending_prompt.cleared(),
-        pending_reset=None if pending_reset is None else jnp.zeros_like(pending_reset))
+        s, draft_state=draft_state, pending=emptied(pending.cleared(), pending),
+        pending_prompt=None if pending_prompt is None else emptied(pending_prompt.cleared(), pending_prompt),
+        pending_reset=None if pending_reset is None else pending_reset & ~when)
     return s, has.astype(jnp.int32) * inp.drafter.forwards_per_observe
