@@ -75,8 +75,11 @@ def main(argv=None) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        except faults.SetupInterrupted as e:
-            print(f"{e}", file=sys.stderr, flush=True)
+        except (faults.SetupInterrupted, Exception) as e:  # (a stop signal, maybe wrapped)
+            stopped = faults.setup_interruption(e)
+            if stopped is None:
+                raise
+            print(f"{stopped}", file=sys.stderr, flush=True)
             return faults.EXIT_PREEMPTED
         try:
             with console:

@@ -152,6 +152,20 @@ def check_setup_stop() -> None:
         raise SetupInterrupted(_setup_signal)
 
 
+def setup_interruption(exc: BaseException) -> SetupInterrupted | None:
+    """The SetupInterrupted behind `exc`, or None: `exc` itself, one in its chain of causes
+    (a library that wrapped the handler's raise: JAX re-raises an exception from a pytree's
+    metadata comparison as a ValueError), or a new one where a stop signal arrived during
+    this set-up (the raise was swallowed on the way)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, SetupInterrupted):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None if _setup_signal is None else SetupInterrupted(_setup_signal)
+
+
 class StopSignals:
     """SIGTERM / SIGINT ask the run to stop after the current step (it checkpoints it); a
     second signal exits at once with 128 + its number. A context manager; installs its

@@ -373,6 +373,30 @@ def test_all_processes_agree_on_a_stop_signal_of_one():
     assert got == ["agreed None | a stop signal (on another process)", "agreed None | SIGTERM"]
 
 
+@pytest.mark.parametrize("swallowed", [False, True])
+def test_a_setup_signal_wrapped_or_swallowed_by_a_library_still_exits_75(tmp_path, monkeypatch, capsys, swallowed):
+    """The handler's SetupInterrupted can land inside a library that re-raises it as another
+    exception (JAX's pytree metadata comparison: a ValueError `from` it; seen in a suite
+    run) or swallows it: the run still stops as preempted, with the one line, not a
+    traceback or exit 1."""
+    import jaxspec.rl.trainer as trainer_module
+
+    class Trainer:  # stands in for GRPOTrainer: the signal arrives inside a wrapping library call
+        def __init__(self, cfg, log=None):
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises here
+            except BaseException as e:
+                if not swallowed:
+                    raise ValueError("Exception raised while checking equality of metadata fields") from e
+            raise RuntimeError("set-up went on after the signal")
+
+    monkeypatch.setattr(trainer_module, "GRPOTrainer", Trainer)
+    assert train_grpo.main([str(TINY), *SHORT, f"run.dir={tmp_path / 'run'}"]) == faults.EXIT_PREEMPTED
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM during set-up" in err and "Traceback" not in err, err
+
+
 def test_signal_during_setup_stops_at_once(tmp_path):
     """A SIGTERM during the draft init (before step 1, nothing to save) stops the run as soon
     as the current draft step returns: exit 75, one line, no traceback, no checkpoint;
