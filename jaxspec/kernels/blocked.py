@@ -134,7 +134,11 @@ def _blocked_forward(q, k_stack, v_stack, layer, cache_lengths, extra, k_new, v_
     # returned ones (the next layer, the cache write) gives XLA one chain of uses of one
     # buffer. Read as closure constants by every layer's loop, the stack was copied whole
     # per layer per step once the write updated it in place (docs/BENCHMARKS.md).
-    state, k_stack, v_stack = jax.lax.fori_loop(0, num_blocks, body, (state, k_stack, v_stack))
+    if blk == s:  # one block holds the cache: no loop to compile. Where no row has a live
+        # slot the block leaves the state as it was (its slots are finite: caches start at 0).
+        state, k_stack, v_stack = body(jnp.int32(0), (state, k_stack, v_stack))
+    else:
+        state, k_stack, v_stack = jax.lax.fori_loop(0, num_blocks, body, (state, k_stack, v_stack))
     k_extra, v_extra, extra_mask = extra
     if k_extra.shape[1]:
         state = _update(state, qf, k_extra, v_extra, extra_mask, scale)
