@@ -66,11 +66,14 @@ def capacity_tiers(policy, drafter, width: int, nodes: int, max_len: int, grow_c
     return tiers + [max_len]
 
 
-@partial(jax.jit, static_argnames=("capacity", "pad_id", "axes"))  # (donating: no buffer has the new shape)
-def grow_state(state: LoopState, policy, drafter, *, capacity: int, pad_id: int, axes: tuple) -> LoopState:
+@partial(jax.jit, static_argnames=("capacity", "pad_id", "axes", "classes"))  # (donating: no buffer has the new shape)
+def grow_state(state: LoopState, policy, drafter, *, capacity: int, pad_id: int, axes: tuple,
+               classes: tuple = ()) -> LoopState:
     """`state` moved into a cache of `capacity` slots: every capacity-sized leaf (the token
     buffer, log-probs, the policy's KV cache, the drafter's leaves along their declared
-    `length` axis: `axes`, from `growth_axes`) copied into the front of a fresh one."""
+    `length` axis: `axes`, from `growth_axes`) copied into the front of a fresh one.
+    `classes` (`LoopSpec.classes`) keeps the program of one drafter class from another's."""
+    del classes
     batch, old = state.buffer.shape
     fresh = (policy.init_cache(batch, capacity), drafter.init_state(policy, batch, capacity))
     leaves, treedef = jax.tree.flatten((state.cache, state.draft_state))
@@ -173,7 +176,7 @@ def drive(inp: LoopInputs, spec: LoopSpec, tiers: list[int], axes: tuple | None)
         seg = dataclasses.replace(spec, max_len=capacity)
         if state is not None:  # a live row outgrew the last capacity: continue in a larger one
             state = grow_state(state, inp.policy, inp.drafter, capacity=capacity,
-                               pad_id=spec.pad_id, axes=axes)
+                               pad_id=spec.pad_id, axes=axes, classes=spec.classes)
         if phased:
             state, out, ended, in_plain = _phased(inp, state, seg, in_plain)
         else:

@@ -20,7 +20,7 @@ from jaxspec.decoding.adaptive import AdaptiveK
 from jaxspec.decoding.arguments import pad_prompts
 from jaxspec.decoding.drafters import NoDrafter
 from jaxspec.decoding.driver import capacity_tiers, drive, growth_axes
-from jaxspec.decoding.loop_state import LoopInputs, LoopSpec
+from jaxspec.decoding.loop_state import LoopInputs, LoopSpec, node_classes
 from jaxspec.decoding.protocols import ChecksPrompts, Drafter, HasStateAxes, RefillsRows
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.slots import row_axes
@@ -158,4 +158,4 @@ def _checked(policy, prompts, drafter, sampling, max_new_tokens, key, stop_token
         order=jnp.asarray(order, jnp.int32), adaptive=adaptive, variants=variants,
         force_k=jnp.asarray(-1 if adaptive is None else adaptive.force, jnp.int32),
         max_iterations=jnp.asarray(iteration_cap, jnp.int32))
-    return inp, spec, nodes, total
+    return inp, dataclasses.replace(spec, classes=node_classes(inp)), nodes, total

@@ -44,6 +44,11 @@ class LoopSpec:
     # per flattened drafter-state leaf: its row axis, None: shared by the rows (the default
     # refill's; None overall: not needed, or the drafter has a refill hook)
     row_axes: tuple | None = None
+    # the classes of the dataclass nodes in the call's inputs (`node_classes`): jax (0.10)
+    # compares two `register_dataclass` tree structures equal when only their classes differ
+    # (an EAGLE-3 drafter and a subclass, SamplingConfig and its unfiltered form), so a
+    # cached program could be taken for the other class's; here they are static and distinct
+    classes: tuple = ()
 
     @property
     def refill(self) -> bool:
@@ -118,3 +123,27 @@ def empty_observation(batch: int, n: int, captured: dict) -> Observation:
         positions=jnp.full((batch, n), -1, jnp.int32),
         captured={layer: jnp.zeros((batch, n) + h.shape[2:], h.dtype) for layer, h in captured.items()},
     )
+
+
+def node_classes(tree) -> tuple[type, ...]:
+    """The classes of the dataclass instances in `tree` (depth first, through dataclass
+    fields, lists, tuples and dicts; arrays and other leaves are not classes here)."""
+    found, seen = [], set()
+
+    def visit(x):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if id(x) in seen:  # (a node reached twice, or a cycle)
+                return
+            seen.add(id(x))
+            found.append(type(x))
+            for f in dataclasses.fields(x):
+                visit(getattr(x, f.name, None))
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+
+    visit(tree)
+    return tuple(found)

@@ -86,11 +86,17 @@ class SamplingConfig:
 @dataclasses.dataclass(frozen=True)
 class _Unfiltered(SamplingConfig):
     """A SamplingConfig whose top-k and top-p are off (top_k 0, top_p 1.0), known before
-    tracing: its own pytree type, so the processed distribution compiles without the filters
-    (`SamplingConfig.without_unused_filters`)."""
+    tracing, so the processed distribution compiles without the filters
+    (`SamplingConfig.without_unused_filters`). Its own pytree type with a static field of its
+    own: jax (0.10) compares `register_dataclass` structures by their static fields alone,
+    not their classes, so without one a program compiled for the one could serve the other."""
+
+    unfiltered: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     def __post_init__(self):
         super().__post_init__()
+        if self.unfiltered is not True:
+            raise ValueError(f"an unfiltered SamplingConfig has unfiltered=True; got {self.unfiltered!r}")
         top_k, top_p = _host_value(self.top_k), _host_value(self.top_p)
         if (top_k is not None and top_k != 0) or (top_p is not None and top_p != 1.0):
             raise ValueError(f"an unfiltered SamplingConfig needs top_k 0 and top_p 1.0; got "

@@ -113,9 +113,10 @@ def test_growth_that_drops_the_drafter_state_is_caught(setup, monkeypatch):
     full = generate(policy, prompts, drafter=drafter, grow_cache=False, **common)
     original = driver.grow_state.__wrapped__
 
-    @partial(jax.jit, static_argnames=("capacity", "pad_id", "axes"))
-    def forgetful(state, policy, drafter, *, capacity, pad_id, axes):
-        grown = original(state, policy, drafter, capacity=capacity, pad_id=pad_id, axes=axes)
+    @partial(jax.jit, static_argnames=("capacity", "pad_id", "axes", "classes"))
+    def forgetful(state, policy, drafter, *, capacity, pad_id, axes, classes=()):
+        grown = original(state, policy, drafter, capacity=capacity, pad_id=pad_id, axes=axes,
+                         classes=classes)
         batch = state.buffer.shape[0]
         return dataclasses.replace(grown, draft_state=drafter.init_state(policy, batch, capacity))
 

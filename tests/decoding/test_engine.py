@@ -211,3 +211,33 @@ def test_layer_copies_go_with_their_params():
     del p
     gc.collect()
     assert not engine._UNSTACKED
+
+
+def test_a_drafter_subclass_never_runs_its_parents_program(policy, drafters):
+    """jax 0.10 compares the tree structures of two `register_dataclass` classes equal when
+    only their classes differ (an EAGLE-3 drafter and this subclass that drafts nothing), so
+    a jit cache could serve one the other's program: seen in a suite run, where a negative
+    control drafter ran as its parent and the joint-law test it must fail passed. The engine
+    keys its programs on the classes of its inputs too (`LoopSpec.classes`)."""
+    import dataclasses
+
+    from jaxspec.decoding.engine import _checked
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class _DraftsNothing(Eagle3Drafter):
+        def propose(self, state, policy, ctx):
+            tree, q, state = super().propose(state, policy, ctx)
+            return dataclasses.replace(tree, tokens=jnp.full_like(tree.tokens, -1)), q, state
+
+    parent = drafters["eagle3_chain"]
+    child = _DraftsNothing(**{f.name: getattr(parent, f.name) for f in dataclasses.fields(parent)})
+    args = (PROMPTS, None, MAX_NEW, KEY, (), "replay", None, 0, None, None, None, None)
+    spec_parent, spec_child = (_checked(policy, args[0], d, *args[1:])[1] for d in (parent, child))
+    assert spec_parent != spec_child and hash(spec_parent) != hash(spec_child)
+    runs = {name: generate(policy, PROMPTS, drafter=d, max_new_tokens=MAX_NEW, key=KEY)
+            for name, d in (("parent", parent), ("child", child), ("parent again", parent))}
+    assert runs["child"].stats.acceptance_length == 1.0  # its own program: no draft at all
+    assert runs["parent"].stats.acceptance_length > 1.0
+    np.testing.assert_array_equal(runs["parent again"].tokens, runs["parent"].tokens)
+    np.testing.assert_array_equal(runs["child"].tokens, runs["parent"].tokens)  # replay: lossless
