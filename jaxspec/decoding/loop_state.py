@@ -128,16 +128,17 @@ def empty_observation(batch: int, n: int, captured: dict) -> Observation:
 def node_classes(tree) -> tuple[type, ...]:
     """The classes of the dataclass instances in `tree` (depth first, through dataclass
     fields, lists, tuples and dicts; arrays and other leaves are not classes here)."""
-    found, seen = [], set()
+    found, path = [], set()  # path: the dataclasses being visited (a cycle stops there)
 
     def visit(x):
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            if id(x) in seen:  # (a node reached twice, or a cycle)
+            if id(x) in path:
                 return
-            seen.add(id(x))
+            path.add(id(x))
             found.append(type(x))
             for f in dataclasses.fields(x):
                 visit(getattr(x, f.name, None))
+            path.discard(id(x))
         elif isinstance(x, (list, tuple)):
             for y in x:
                 visit(y)

@@ -46,9 +46,12 @@ def draft_phase(spec: LoopSpec, inp: LoopInputs, s: LoopState) -> LoopState:
     the phase's start, as nothing is deferred while it drafts; counted as draft forwards
     where the loop runs). Every inner pass runs at least one iteration."""
     ks, zero = inp.adaptive.ks, plain_index(inp)
+
+    def goes_on(s):  # another drafted iteration: running, and k = 0 (if a choice) not chosen
+        return running(spec, inp, s) if zero is None else running(spec, inp, s) & (pick(inp, s) != zero)
+
     if spec.defer:
-        runs = running(spec, inp, s) if zero is None else running(spec, inp, s) & (pick(inp, s) != zero)
-        s, forwards = flush(spec, inp, s, when=runs)
+        s, forwards = flush(spec, inp, s, when=goes_on(s))
         s = dataclasses.replace(s, stats=dataclasses.replace(
             s.stats, draft_forwards=s.stats.draft_forwards + forwards))
 
@@ -59,9 +62,7 @@ def draft_phase(spec: LoopSpec, inp: LoopInputs, s: LoopState) -> LoopState:
                                        lambda s, k=k: step(spec, inp, s, AdaptiveDepth(k)), s)
         return s
 
-    if zero is None:
-        return jax.lax.while_loop(lambda s: running(spec, inp, s), body, s)
-    return jax.lax.while_loop(lambda s: running(spec, inp, s) & (pick(inp, s) != zero), body, s)
+    return jax.lax.while_loop(goes_on, body, s)
 
 
 def plain_phase(spec: LoopSpec, inp: LoopInputs, s: LoopState) -> LoopState:

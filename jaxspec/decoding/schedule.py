@@ -47,11 +47,12 @@ class FullDepth:
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveDepth:
-    """One iteration at static draft length k of `inp.adaptive`; `record` (k = 0; a bool, or
-    a traced [] bool): keep the iteration's entries for the drafter's next observation."""
+    """One iteration at static draft length k of `inp.adaptive`; `record` (k = 0, [] bool,
+    traced: `phases.plain_phase`): keep the iteration's entries for the drafter's next
+    observation."""
 
     k: int
-    record: bool | jax.Array = True
+    record: jax.Array | bool = True
 
     def drafter(self, inp: LoopInputs) -> Drafter:  # (k = 0: NoDrafter)
         return inp.variants[self.k]
@@ -73,16 +74,12 @@ class AdaptiveDepth:
         if not self.defers(spec):
             return (inp.drafter.observe(draft_state, inp.policy, obs), s.pending,
                     inp.drafter.forwards_per_observe)
-        pending = s.pending
-        if self.record is not False:  # one entry per row, written over the window's oldest
-            at = s.stats.target_forwards % spec.window
+        at = s.stats.target_forwards % spec.window  # one entry per row, over the window's oldest
 
-            def put(w, e):  # (a traced record that is False writes the old entry back)
-                if self.record is not True:
-                    e = jnp.where(self.record, e, jax.lax.dynamic_slice_in_dim(w, at, 1, axis=1))
-                return jax.lax.dynamic_update_slice_in_dim(w, e, at, axis=1)
-            pending = jax.tree.map(put, pending, obs)
-        return draft_state, pending, 0
+        def put(w, e):  # (a record that is False writes the old entry back)
+            e = jnp.where(self.record, e, jax.lax.dynamic_slice_in_dim(w, at, 1, axis=1))
+            return jax.lax.dynamic_update_slice_in_dim(w, e, at, axis=1)
+        return draft_state, jax.tree.map(put, s.pending, obs), 0
 
     def after(self, inp: LoopInputs, s: LoopState, num_accepted, active, iteration) -> LoopState:
         """Drafted iterations count at their k and update the acceptance counts, and the
@@ -97,7 +94,7 @@ class AdaptiveDepth:
         return dataclasses.replace(s, stats=stats, adapt=adapt)
 
 
-def flush(spec: LoopSpec, inp: LoopInputs, s: LoopState, when=True):
+def flush(spec: LoopSpec, inp: LoopInputs, s: LoopState, when):
     """Where `when` ([] bool; the draft phase: its loop runs), reset the drafter rows of
     rollouts started during k = 0 (if any) and observe the deferred entries (if any: their
     prompts, then the window) in one forward, in position order and cut to the draft cache's
