@@ -55,10 +55,13 @@ def main(argv=None) -> int:
     start = time.perf_counter()
 
     from jaxspec.config import ConfigError, load_config
+    from jaxspec.host import collect_garbage_rarely
     from jaxspec.models.mtp import MTP_LAYOUTS
     from jaxspec.rl.build import export_models
     from jaxspec.rl.kinds import KINDS
     from jaxspec.rl.plan import prepare_run
+
+    collect_garbage_rarely()  # after the imports: tracing's objects, not modules, scanned
 
     if args.mtp_layout not in MTP_LAYOUTS:
         print(f"error: --mtp-layout {args.mtp_layout!r}; valid: {', '.join(MTP_LAYOUTS)}",

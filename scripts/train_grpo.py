@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     with Progress(lambda text: print(text, flush=True), "GRPO") as setup:
         setup.line(f"{args.config}: starting (importing JAX and the trainer)")
         from jaxspec import parallel
-        from jaxspec.host import keep_freed_memory
+        from jaxspec.host import collect_garbage_rarely, keep_freed_memory
 
         keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call
 
@@ -61,6 +61,8 @@ def main(argv=None) -> int:
         from jaxspec.metrics import Console, read_metrics, run_summary
         from jaxspec.rl import faults
         from jaxspec.rl.trainer import GRPOTrainer
+
+        collect_garbage_rarely()  # after the imports: tracing's objects, not modules, scanned
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])

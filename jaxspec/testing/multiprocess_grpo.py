@@ -126,9 +126,11 @@ def main(process_id: int, num_processes: int, port: int, workdir: str, mode: str
     jax.config.update("jax_disable_most_optimizations", True)  # compile time (both runs)
 
     from jaxspec.config import load_config
+    from jaxspec.host import collect_garbage_rarely
     from jaxspec.rl.faults import Preempted
     from jaxspec.rl.trainer import GRPOTrainer
 
+    collect_garbage_rarely()  # as scripts/train_grpo.py
     run_dir = os.path.join(workdir, mode)
     out: dict = {}
     batches = []
