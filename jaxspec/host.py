@@ -56,9 +56,12 @@ def collect_garbage_rarely() -> bool:
     after GC_THRESHOLD net allocations instead of 700 (the older generations keep their
     ratios), and every object alive now (call it after the imports) is frozen out of its
     scans (`gc.freeze`). Garbage is still freed: by reference counting at once, reference
-    cycles at the next pass. Compiling is where it shows: with Python's defaults the
-    collector took 9% of a test process's CPU (docs/BENCHMARKS.md, "The test suite").
-    Returns whether it applied: not when the environment sets JAXSPEC_COLLECT_GARBAGE_RARELY=0."""
+    cycles at the next pass. It shows where a process compiles (docs/design.md, "Python's
+    garbage collector while compiling").
+
+    Returns:
+        Whether it applied: not when the environment sets JAXSPEC_COLLECT_GARBAGE_RARELY=0.
+    """
     global _gc_tuned
     if _gc_tuned is None:
         _gc_tuned = os.environ.get("JAXSPEC_COLLECT_GARBAGE_RARELY", "1") != "0"
