@@ -46,9 +46,9 @@ def _as_users(module_path: str) -> bool:
 
 @pytest.fixture(autouse=True, scope="session")
 def _collect_garbage_rarely():
-    """As the scripts do (jaxspec.host.collect_garbage_rarely), after importing the package's
-    heavy modules, so that they are frozen out of the collector's scans: tests/decoding
-    553 -> 479 CPU-s from an empty cache (docs/BENCHMARKS.md, "The test suite")."""
+    """As the scripts do (jaxspec.host.collect_garbage_rarely; docs/design.md), after
+    importing the package's heavy modules, so that they are frozen out of the collector's
+    scans. Session-scoped and autouse: it runs before any module's fixtures."""
     import jaxspec.decoding  # noqa: F401
     import jaxspec.rl.trainer  # noqa: F401
     from jaxspec.host import collect_garbage_rarely
@@ -57,7 +57,7 @@ def _collect_garbage_rarely():
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_executables(request, _collect_garbage_rarely):
+def _release_executables(request):
     """Cheap compiles (above) unless the module is listed; then drop every compiled
     executable after the module. Each XLA CPU executable keeps tens to hundreds of memory
     mappings; one pytest process that keeps all of the suite's
