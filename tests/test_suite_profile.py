@@ -25,6 +25,8 @@ def test_a_record_counts_this_tests_compile_and_cpu(tmp_path, monkeypatch):
     assert row["test"] == "tests/x.py::t" and row["nested"] is False
     assert row["compiles"] == 1 and row["xla"] > 0 and row["trace"] > 0 and row["lower"] > 0
     assert 0 < row["cpu"] and row["wall"] > 0 and row["subprocess_cpu"] >= 0
+    ((name, (compiles, seconds)),) = row["programs"].items()
+    assert name == "jit(<lambda>)" and compiles == 1 and seconds == pytest.approx(row["xla"], abs=1e-3)
 
 
 def test_the_summary_adds_by_file_and_leaves_nested_runs_out_of_all(tmp_path):
@@ -39,6 +41,19 @@ def test_the_summary_adds_by_file_and_leaves_nested_runs_out_of_all(tmp_path):
     assert table[4] == "| tests/b.py (nested) | 1 | 9 | 4 | 0 | 3 | 7 | 0 | 0 |"
 
 
+def test_the_program_table_adds_each_function_over_tests_and_files(tmp_path):
+    rows = [dict(test="tests/a.py::one", nested=False, programs={"jit(segment)": [2, 3.0], "jit(add)": [5, 0.1]}),
+            dict(test="tests/a.py::two", nested=False, programs={"jit(segment)": [1, 1.5]}),
+            dict(test="tests/b.py::t", nested=True, programs={"jit(add)": [4, 0.08], "jit(f)": [1, 2.0]})]
+    (tmp_path / "gw0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = suite_profile.programs(str(tmp_path)).splitlines()
+    assert table[2:] == ["| jit(segment) | 3 | 1 | 4 |", "| jit(f) | 1 | 1 | 2 |", "| jit(add) | 9 | 2 | 0 |"]
+    assert suite_profile.main([str(tmp_path), "--programs", "--top", "1"]) == 0
+
+
 def test_an_empty_directory_is_one_error(tmp_path):
     with pytest.raises(SystemExit, match="error: no profile lines"):
         suite_profile.summarize(str(tmp_path))
+    (tmp_path / "gw0.jsonl").write_text(json.dumps(dict(test="tests/a.py::t", cpu=1)) + "\n")
+    with pytest.raises(SystemExit, match="error: no compiled functions"):
+        suite_profile.programs(str(tmp_path))

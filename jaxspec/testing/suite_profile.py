@@ -10,6 +10,10 @@ writes one JSON line per test to DIR/<worker>-<pid>.jsonl. Summary, by test file
 
     python -m jaxspec.testing.suite_profile /tmp/suite [--top 30]
 
+and by compiled function (XLA seconds, how many compiles, in how many files):
+
+    python -m jaxspec.testing.suite_profile /tmp/suite --programs
+
 Subprocess CPU is what a test's subprocesses used while it ran (`RUSAGE_CHILDREN`); their
 compiles are in that figure, not in the compile columns, which count this process only.
 """
@@ -42,6 +46,7 @@ class Recorder:
         self.dir = pathlib.Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.events: collections.Counter = collections.Counter()
+        self.programs: dict = {}  # XLA-compiled function name -> [compiles, seconds]
         self.running = False
         self.start = None  # (monotonic time, own rusage, children's rusage) at `begin`
         self.out = None
@@ -51,12 +56,15 @@ class Recorder:
         self.nested = os.environ.get(_PARENT) == "1"
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-    def _on_event(self, event: str, duration: float, **_) -> None:
+    def _on_event(self, event: str, duration: float, fun_name: str = "?", **_) -> None:
         column = EVENTS.get(event)
         if column and self.running:
             self.events[column] += duration
             if column == "xla":
                 self.events["compiles"] += 1
+                program = self.programs.setdefault(str(fun_name), [0, 0.0])
+                program[0] += 1
+                program[1] += duration
 
     def _file(self):
         if self.out is None:
@@ -70,6 +78,7 @@ class Recorder:
         self.start = (time.monotonic(), resource.getrusage(resource.RUSAGE_SELF),
                       resource.getrusage(resource.RUSAGE_CHILDREN))
         self.events.clear()
+        self.programs = {}
         self.running = True
 
     def end(self, nodeid: str) -> None:
@@ -84,7 +93,8 @@ class Recorder:
         self._file().write(json.dumps({
             "test": nodeid, "wall": round(time.monotonic() - t0, 3), "cpu": cpu(own0, own1),
             "subprocess_cpu": cpu(kids0, kids1), "nested": self.nested,
-            **{k: round(v, 3) for k, v in self.events.items()}}) + "\n")
+            **{k: round(v, 3) for k, v in self.events.items()},
+            "programs": {k: [n, round(t, 3)] for k, (n, t) in self.programs.items()}}) + "\n")
 
 
 def summarize(directory: str, top: int = 30) -> str:
@@ -97,7 +107,8 @@ def summarize(directory: str, top: int = 30) -> str:
             name = row.pop("test").split("::")[0] + (" (nested)" if row.pop("nested", False) else "")
             total = files[name]
             total["tests"] += 1
-            total.update({k: v for k, v in row.items() if isinstance(v, (int, float))})
+            total.update({k: v for k, v in row.items() if isinstance(v, (int, float))
+                          and not isinstance(v, bool)})
     if not files:
         raise SystemExit(f"error: no profile lines (*.jsonl) in {directory}")
     columns = ("tests", "wall", "cpu", "subprocess_cpu", "xla", "compiles", "trace", "lower")
@@ -113,12 +124,36 @@ def summarize(directory: str, top: int = 30) -> str:
     return "\n".join(lines)
 
 
+def programs(directory: str, top: int = 30) -> str:
+    """A table of the XLA-compiled functions (by name, nested runs included), most compile
+    seconds first: how often each was compiled, in how many test files, and its seconds."""
+    seconds: collections.Counter = collections.Counter()
+    compiles: collections.Counter = collections.Counter()
+    files: dict = collections.defaultdict(set)
+    for path in sorted(pathlib.Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            for name, (n, t) in row.get("programs", {}).items():
+                seconds[name] += t
+                compiles[name] += n
+                files[name].add(row["test"].split("::")[0])
+    if not seconds:
+        raise SystemExit(f"error: no compiled functions in the profile lines of {directory} "
+                         "(recorded before they were, or no test compiled)")
+    lines = ["| function | compiles | files | XLA s |", "| --- | ---: | ---: | ---: |"]
+    for name, t in seconds.most_common(top):
+        lines.append(f"| {name} | {compiles[name]} | {len(files[name])} | {t:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory")
-    parser.add_argument("--top", type=int, default=30, help="files to list (default 30)")
+    parser.add_argument("--top", type=int, default=30, help="rows to list (default 30)")
+    parser.add_argument("--programs", action="store_true",
+                        help="by compiled function instead of by test file")
     args = parser.parse_args(argv)
-    print(summarize(args.directory, args.top))
+    print((programs if args.programs else summarize)(args.directory, args.top))
     return 0
 
 
