@@ -107,8 +107,7 @@ def summarize(directory: str, top: int = 30) -> str:
             name = row.pop("test").split("::")[0] + (" (nested)" if row.pop("nested", False) else "")
             total = files[name]
             total["tests"] += 1
-            total.update({k: v for k, v in row.items() if isinstance(v, (int, float))
-                          and not isinstance(v, bool)})
+            total.update({k: v for k, v in row.items() if isinstance(v, (int, float))})
     if not files:
         raise SystemExit(f"error: no profile lines (*.jsonl) in {directory}")
     columns = ("tests", "wall", "cpu", "subprocess_cpu", "xla", "compiles", "trace", "lower")
