@@ -8,7 +8,7 @@ fields (derived from the class; defaults: its tiny preset with 4 layers and a 25
 cache) and is checked by building one; `draft.ngram`, `draft.history` and `sampling` take
 their defaults and checks from `NGramDrafter`, `HistoryDrafter` and `SamplingConfig`;
 `mesh` takes axes, sizes and rules from `parallel`; `draft.kind` is a name in the registry
-`rl.kinds.KINDS`, which checks the rest of the `draft` section for its kind. The
+`draft_kinds.RULES`, which checks the rest of the `draft` section for its kind. The
 trainer-only sections (rollout, optim, warmup, task, run, async) are defined here.
 
 pydantic checks types (strictly: no string to number, no float to int, every float finite),
@@ -46,7 +46,7 @@ from jaxspec.decoding.history import HistoryDrafter, HybridDrafter
 from jaxspec.decoding.sampling import SamplingConfig, check_settings
 from jaxspec.errors import ConfigError, FieldError
 from jaxspec.models.config import ModelConfig
-from jaxspec.rl import kinds
+from jaxspec import draft_kinds
 from jaxspec.rl.grpo import GRPOConfig
 
 __all__ = [
@@ -410,10 +410,10 @@ class HistorySpec:
 
 @_section
 class DraftSpec:
-    """The drafter proposing tokens for the policy to verify: a kind from `rl.kinds.KINDS`
+    """The drafter proposing tokens for the policy to verify: a kind from `draft_kinds.RULES`
     and its settings."""
 
-    kind: str = "eagle3"  # a name in jaxspec.rl.kinds.KINDS
+    kind: str = "eagle3"  # a name in jaxspec.draft_kinds.RULES
     k: int = Field(3, ge=1)  # chain length (drafted tokens per verify)
     # choose k in 0..k (0 = plain) per loop iteration from costs measured at start-up and the
     # live acceptance (chain kinds)
@@ -437,14 +437,14 @@ class DraftSpec:
     block: BlockSpec = Field(default_factory=BlockSpec)  # kinds block and hybrid_block
 
     def __post_init__(self):
-        kinds.check_draft(self)
+        draft_kinds.check_draft(self)
 
 
 
 
 def draft_headroom(draft: DraftSpec) -> int:
     """Cache slots a verify step needs beyond the committed tokens: the fed draft nodes + 1."""
-    return kinds.KINDS[draft.kind].headroom(draft) + 1
+    return draft_kinds.headroom(draft)
 
 
 @_section
@@ -712,10 +712,8 @@ class Config:
                               f"greedy verification is lossless only for temperature 0 "
                               f"(sampling.temperature = {self.sampling.temperature})",
                               "'replay' or 'rejection', or sampling.temperature=0")
-        if self.rollout.method == "rejection" and d.tree is not None:
-            raise ConfigError("rollout.method", "rejection",
-                              "the rejection rule verifies sampled chains, not trees",
-                              "'replay' or 'greedy', or draft.tree=null")
+        if self.rollout.method == "rejection":
+            draft_kinds.check_rejection(d)
         if self.rollout.method == "rejection" and d.adaptive_k:
             raise ConfigError("rollout.method", "rejection",
                               "with draft.adaptive_k the k schedule follows measured timings, and "

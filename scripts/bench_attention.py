@@ -42,7 +42,8 @@ from jaxspec.models.transformer import random_policy
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["rollout", "decode", "tree", "chain"])
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny policy")
     p.add_argument("--layers", type=int, default=3)

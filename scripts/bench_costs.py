@@ -29,7 +29,8 @@ from jaxspec.timing import interleaved, median_ratio
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="4x128,4x256,8x256", help="comma list of LAYERSxHIDDEN")
     p.add_argument("--batches", default="4,8", help="comma list of batch sizes")
     p.add_argument("--k", type=int, default=3, help="draft length: times a (k+1)-token forward")

@@ -31,7 +31,8 @@ from jaxspec.timing import interleaved, median_ratio, write_result
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="a config file whose model (random weights) is timed")
     p.add_argument("--batches", default="1", help="comma list of batch sizes")
     p.add_argument("--context", type=int, default=64, help="cached tokens per row before the timed steps")

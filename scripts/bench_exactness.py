@@ -99,7 +99,7 @@ def timing(policy, inv, prompts, tokens, repeats: int):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="a config whose model (random weights) is timed")
     p.add_argument("--batches", default="1,64", help="comma list of batch sizes")

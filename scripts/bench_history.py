@@ -42,7 +42,7 @@ NAMES = ("history", "eagle3", "hybrid", "ngram")
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", required=True, help="local HF directory of the policy")
     p.add_argument("--eagle3", required=True, help="local EAGLE-3 head directory")

@@ -51,7 +51,7 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     p.add_argument("--quick", action="store_true", help="small grid that runs on a CPU in seconds")
     p.add_argument(

@@ -50,7 +50,8 @@ from jaxspec.models.eagle3 import Eagle3Head
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rollouts", type=int, default=256)
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=256)

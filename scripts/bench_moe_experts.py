@@ -46,7 +46,7 @@ def _experts_touched(experts, sparse, rows: int, width: int, starts) -> np.ndarr
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--ks", default="0,1,2,3,5,7")

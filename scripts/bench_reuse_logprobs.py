@@ -18,7 +18,7 @@ from jaxspec.rl.trainer import GRPOTrainer
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--steps", type=int, default=12)

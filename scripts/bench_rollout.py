@@ -61,7 +61,8 @@ DRAFTERS = ("eagle3", "eagle3_argmax", "eagle3_untrained", "eagle3_tree", "ngram
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--policy", help="local HF directory of the policy")
     src.add_argument("--config", help="a config file whose tiny model (random weights) is the policy")

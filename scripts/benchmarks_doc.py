@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["import"]:
         p = argparse.ArgumentParser(prog="benchmarks_doc.py import", description=__doc__,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+                                    formatter_class=argparse.RawDescriptionHelpFormatter,
+                                    allow_abbrev=False)
         p.add_argument("bench_json", help="the JSON a bench script wrote")
         p.add_argument("--bench", required=True, choices=sorted(CONVERTERS),
                        help="which bench script wrote it (scripts/bench_<name>.py)")
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {into_path} (table {args.caption!r}); "
               "now run python scripts/benchmarks_doc.py")
         return 0
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true",
                    help="exit 1 when docs/BENCHMARKS.md differs from what the results give")

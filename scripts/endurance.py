@@ -46,7 +46,7 @@ def _median(values):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", default="configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="key=value, after the default scale-down")

@@ -19,7 +19,7 @@ import time
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices = fsdp size")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--batch", type=int, default=512, help="rollout rows (prompts x group)")

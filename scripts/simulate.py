@@ -49,7 +49,7 @@ def _acceptance(text: str | None, k_ref: int) -> Acceptance | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--model", default="Qwen3-8B", choices=sorted(MODELS))
     p.add_argument("--gpu", default="GB200", type=str.upper, choices=sorted(GPUS))
     p.add_argument("--num-gpus", type=int, default=32)

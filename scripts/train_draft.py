@@ -46,7 +46,8 @@ def train_draft(cfg, plan, *, log=print):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.dir=runs/draft")
     p.add_argument("--mtp-layout", default="deepseek_v3",

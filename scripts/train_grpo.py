@@ -31,7 +31,7 @@ import time
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.dir=runs/x")

@@ -140,7 +140,11 @@ def test_unknown_key_in_a_file(tmp_path):
     ("draft.kind=ngram", None, None),  # valid: no error
     ("draft.kind=mtp", None, None),  # valid: a fresh MTP head trained online
     ("rollout.method=greedy", "rollout.method", "temperature=0"),
-    ("rollout.max_prompt_len=250", "rollout.max_prompt_len", "<= 244"),
+    ("rollout.max_prompt_len=250", "rollout.max_prompt_len", "an int in [1, 244]"),
+    # no prompt fits beside 300 new tokens: the key set is named, with a range that is not negative
+    ("rollout.max_new_tokens=300", "rollout.max_new_tokens", "valid: an int in [1, 236]"),
+    ("rollout.max_new_tokens=240", "rollout.max_prompt_len", "rollout.max_new_tokens in [1, 236]"),
+    ("rollout.method=rejection", None, None),  # valid with kind eagle3's chains
     ("rollout.max_prompt_len=2", "rollout.max_prompt_len", "tokens"),
     ("async.enabled=true", "grpo.tis", "'token' or 'sequence'"),
     ("mesh.rules.embed=model", "mesh.rules.embed", "unknown mesh axis"),

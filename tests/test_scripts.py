@@ -67,3 +67,24 @@ def test_bench_fused_times_both_variants_and_refuses_bad_sizes(tmp_path):
                  "model.head_dim=32"]) == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["batch"] == 2 and row["tokens"] == 8 and row["xla_ms"] > 0 and row["pallas_ms"] > 0
+
+
+def test_an_abbreviated_option_is_refused_not_taken_for_the_full_one(capsys):
+    """`--resum` is not silently `--resume` (argparse's allow_abbrev): exit 2 naming it."""
+    parse = runpy.run_path(str(ROOT / "scripts" / "train_grpo.py"), run_name="not_main")["_parse"]
+    assert parse(["configs/tiny.yaml", "--resume"]).resume
+    with pytest.raises(SystemExit) as info:
+        parse(["configs/tiny.yaml", "--resum"])
+    assert info.value.code == 2 and "unrecognized arguments: --resum" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # train_draft's --mtp-layout
+        _main("train_draft.py")(["configs/tiny.yaml", "--mtp", "deepseek_v3"])
+
+
+def test_every_script_parser_refuses_abbreviations():
+    import ast
+
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+                kw = {k.arg: k.value for k in node.keywords}
+                assert "allow_abbrev" in kw and kw["allow_abbrev"].value is False, path.name

@@ -7,21 +7,23 @@ head is checked on disk, built, trained offline and exported. The config, the ru
 rollout worker, the trainer and scripts/train_draft.py look the kind up here, so a new kind
 is one `register` call (see `tests/rl/test_kinds.py` for a test-only kind).
 
-Modules of the trainer (plan, drafting, model savers) are imported inside the functions
-that use them: the config imports this module while it loads.
+What the config checks (headroom, depth, tree, adaptive length, rejection, the kind's own
+checks) is the kind's `jaxspec.draft_kinds.KindRules`, below both the config and `rl`; a
+`DraftKind` extends it with the trainer's parts. Modules of the trainer (plan, drafting,
+model savers) are imported inside the functions that use them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Callable, Optional
 
+from jaxspec import draft_kinds
 from jaxspec.decoding import drafters as drafters_lib
 from jaxspec.decoding import history as history_lib
-from jaxspec.errors import ConfigError
+from jaxspec.draft_kinds import RULES, KindRules
 
-__all__ = ["DraftKind", "HeadKind", "KINDS", "check_draft", "register"]
+__all__ = ["DraftKind", "HeadKind", "KINDS", "register"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,99 +61,49 @@ class HeadKind:
     loss_config: Optional[Callable[[Any], Any]] = None
 
 
-@dataclasses.dataclass(frozen=True)
-class DraftKind:
-    """One `draft.kind`.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftKind(KindRules):
+    """One `draft.kind`: its config rules (`draft_kinds.KindRules`: name, headroom, deepest,
+    takes_tree, adaptive, rejection, check, no_tree) and the trainer's parts.
 
     Attributes:
-        name: the config's `draft.kind`.
         make_drafter: `(draft_spec, tree, *, head, draft_model, history, groups,
             prompt_keys) -> Drafter`: the drafter for one generate call (see
             `rl.rollouts.make_drafter`).
-        headroom: `draft_spec -> int`: the draft nodes fed to one verify step (the cache
-            needs these + 1 slots past the committed tokens).
-        deepest: `draft_spec -> (depth, how the config names it)`: the longest draft
-            chain, so a verify accepts at most depth + 1 tokens; None: the kind never
-            drafts.
-        takes_tree: whether draft.tree applies.
-        adaptive: whether draft.adaptive_k may choose the chain length (chain drafts).
-        check: `draft_spec -> None`: the kind's own checks of the `draft:` section
-            (ConfigError with keys relative to it), or None.
         head: the head it drafts with and trains online, or None.
         draft_model: whether it drafts with a small model (draft.model or draft.hf_path).
         history: whether it keeps a `HistoryStore` of earlier rollouts (checkpointed).
-        no_tree: why draft.tree does not apply, for the error message.
     """
 
-    name: str
     make_drafter: Callable[..., Any]
-    headroom: Callable[[Any], int]
-    deepest: Optional[Callable[[Any], tuple[int, str]]]
-    takes_tree: bool = False
-    adaptive: bool = False
-    check: Optional[Callable[[Any], None]] = None
     head: Optional[HeadKind] = None
     draft_model: bool = False
     history: bool = False
-    no_tree: str = ""
+
+    @classmethod
+    def of(cls, name: str, **parts) -> DraftKind:
+        """The built-in kind `name`: its registered rules plus the trainer's `parts`."""
+        rules = RULES[name]
+        return cls(**{f.name: getattr(rules, f.name) for f in dataclasses.fields(rules)},
+                   **parts)
 
 
 KINDS: dict[str, DraftKind] = {}
 
 
 def register(kind: DraftKind) -> DraftKind:
-    """Add `kind` to KINDS under its name (replacing one of the same name).
+    """Add `kind` to KINDS and its rules to `draft_kinds.RULES` (which the config checks)
+    under its name, replacing one of the same name.
 
     Returns:
         The kind, so `register` can wrap a definition.
     """
     KINDS[kind.name] = kind
+    draft_kinds.register_rules(kind)
     return kind
 
 
-def check_draft(d) -> None:
-    """The checks of a `draft:` section (config.DraftSpec) that depend on its kind.
-
-    Raises:
-        ConfigError: the first problem, its key relative to the `draft:` section.
-    """
-    kind = KINDS.get(d.kind)
-    if kind is None:
-        close = difflib.get_close_matches(str(d.kind), list(KINDS), n=1)
-        raise ConfigError("kind", d.kind, "not a valid choice" + (
-            f" (did you mean '{close[0]}'?)" if close else ""),
-            "one of " + ", ".join(repr(n) for n in KINDS))
-    if d.tree is not None and not kind.takes_tree:
-        raise ConfigError("tree", dataclasses.asdict(d.tree),
-                          f"draft kind '{d.kind}' does not take draft.tree" + kind.no_tree,
-                          "null, or kind " + " / ".join(n for n, k in KINDS.items()
-                                                        if k.takes_tree))
-    if kind.check is not None:
-        kind.check(d)
-    if d.adaptive_k and (not kind.adaptive or d.tree is not None):
-        raise ConfigError("adaptive_k", True,
-                          f"adaptive draft length needs chain drafts; draft kind "
-                          f"'{d.kind}'" + (" with draft.tree" if d.tree is not None else "")
-                          + " has none", "false, or kind " + " / ".join(
-                              n for n, k in KINDS.items() if k.adaptive) + " without draft.tree")
-    if kind.deepest is not None:  # a verify step accepts at most depth + 1 tokens
-        depth, what = kind.deepest(d)
-        most = depth + 1
-        if d.collapse_threshold > most:
-            raise ConfigError("collapse_threshold", d.collapse_threshold,
-                              f"above the longest possible acceptance ({what} + 1 = {most}),"
-                              f" so the alarm would never clear", f"a number in [1, {most}]")
-
-
 # ----------------------------------------------------------------------------- shared parts
-
-def _chain_nodes(d) -> int:  # a chain of k, or the tree's verified nodes
-    return d.tree.budget if d.tree is not None else d.k
-
-
-def _chain_depth(d) -> tuple[int, str]:
-    return (d.tree.depth, "draft.tree.depth") if d.tree is not None else (d.k, "draft.k")
-
 
 def _history_drafter(d, tree=None, *, history, groups, prompt_keys, **_):
     """Kind history's drafter (and the hybrid's history part); without groups a one-row
@@ -160,13 +112,6 @@ def _history_drafter(d, tree=None, *, history, groups, prompt_keys, **_):
         [0] if groups is None else groups, store=history,
         prompt_keys=None if groups is None else prompt_keys,
         **d.history.drafter_settings(d.k))
-
-
-def _check_history(d, depth: int) -> None:
-    try:
-        d.history.check(depth)
-    except ConfigError as e:
-        raise e.under("history") from None
 
 
 # ----------------------------------------------------------------------------- heads
@@ -296,68 +241,35 @@ BLOCK_HEAD = HeadKind(
     save=_save_block, loss_config=_block_loss_config)
 
 
-def _check_block(d) -> None:
-    most = d.block.size - 1
-    if d.k > most:
-        raise ConfigError("k", d.k, f"a block of draft.block.size={d.block.size} drafts "
-                          f"{most} tokens", f"an int in [1, {most}] (or a larger draft.block.size)")
-
-
 # ----------------------------------------------------------------------------- kinds
+# The built-in kinds: their rules from jaxspec.draft_kinds, the trainer's parts here.
 
-register(DraftKind(
-    name="none", make_drafter=lambda d, tree, **_: drafters_lib.NoDrafter(),
-    headroom=lambda d: 0, deepest=None))
+register(DraftKind.of("none", make_drafter=lambda d, tree, **_: drafters_lib.NoDrafter()))
 
-register(DraftKind(
-    name="eagle3",
+register(DraftKind.of(
+    "eagle3",
     make_drafter=lambda d, tree, *, head, **_: drafters_lib.Eagle3Drafter(
         head, k=d.k, tree=tree, coupled=d.coupled),
-    headroom=_chain_nodes, deepest=_chain_depth, takes_tree=True, adaptive=True,
     head=EAGLE3_HEAD))
 
-register(DraftKind(
-    name="mtp",
+register(DraftKind.of(
+    "mtp",
     make_drafter=lambda d, tree, *, head, **_: drafters_lib.MTPDrafter(
         head, k=d.k, tree=tree, coupled=d.coupled),
-    headroom=_chain_nodes, deepest=_chain_depth, takes_tree=True, adaptive=True,
     head=MTP_HEAD))
 
-
-def _check_draft_model(d) -> None:
-    if d.model is None and d.hf_path is None:
-        raise ConfigError("model", None, "kind 'draft_model' needs a model",
-                          "a model spec (draft.model.*) or draft.hf_path")
-
-
-register(DraftKind(
-    name="draft_model",
+register(DraftKind.of(
+    "draft_model",
     make_drafter=lambda d, tree, *, draft_model, **_: drafters_lib.DraftModelDrafter(
         draft_model, k=d.k, coupled=d.coupled),
-    headroom=_chain_nodes, deepest=_chain_depth, takes_tree=True, adaptive=True,
-    check=_check_draft_model, draft_model=True))
+    draft_model=True))
 
-register(DraftKind(
-    name="ngram",
+register(DraftKind.of(
+    "ngram",
     make_drafter=lambda d, tree, **_: drafters_lib.NGramDrafter(
-        k=d.k, min_n=d.ngram.min_n, max_n=d.ngram.max_n),
-    headroom=lambda d: d.k, deepest=lambda d: (d.k, "draft.k"), adaptive=True))
+        k=d.k, min_n=d.ngram.min_n, max_n=d.ngram.max_n)))
 
-
-def _history_depth(d) -> tuple[int, str]:
-    return d.history.depth or d.k, "draft.history.depth (or draft.k)"
-
-
-register(DraftKind(
-    name="history",
-    make_drafter=_history_drafter,
-    headroom=lambda d: d.history.budget, deepest=_history_depth,
-    check=lambda d: _check_history(d, d.history.depth or d.k), history=True,
-    no_tree=" (its tree is draft.history.budget nodes)"))
-
-
-def _hybrid_depth(d) -> tuple[int, str]:
-    return max(d.k, d.history.depth or d.k), "the deeper of draft.k and draft.history.depth"
+register(DraftKind.of("history", make_drafter=_history_drafter, history=True))
 
 
 def _hybrid_drafter(d, tree, *, head, history, groups, prompt_keys, **_):
@@ -367,11 +279,7 @@ def _hybrid_drafter(d, tree, *, head, history, groups, prompt_keys, **_):
         budget=d.history.budget, gate=d.history.gate_head)
 
 
-register(DraftKind(
-    name="hybrid", make_drafter=_hybrid_drafter,
-    headroom=lambda d: d.history.budget, deepest=_hybrid_depth,
-    check=lambda d: _check_history(d, _hybrid_depth(d)[0]), head=EAGLE3_HEAD, history=True,
-    no_tree=" (its tree is draft.history.budget nodes)"))
+register(DraftKind.of("hybrid", make_drafter=_hybrid_drafter, head=EAGLE3_HEAD, history=True))
 
 
 def _block_drafter(d, tree, *, head, **_):
@@ -381,11 +289,7 @@ def _block_drafter(d, tree, *, head, **_):
                         confidence_length=d.block.confidence_length and d.adaptive_k)
 
 
-register(DraftKind(
-    name="block", make_drafter=_block_drafter,
-    headroom=lambda d: d.k, deepest=lambda d: (d.k, "draft.k"), adaptive=True,
-    check=_check_block, head=BLOCK_HEAD,
-    no_tree=" (a block drafts one chain)"))
+register(DraftKind.of("block", make_drafter=_block_drafter, head=BLOCK_HEAD))
 
 
 def _hybrid_block_drafter(d, tree, *, head, history, groups, prompt_keys, **_):
@@ -394,13 +298,5 @@ def _hybrid_block_drafter(d, tree, *, head, history, groups, prompt_keys, **_):
         _block_drafter(d, None, head=head), budget=d.history.budget, gate=d.history.gate_head)
 
 
-def _check_hybrid_block(d) -> None:
-    _check_block(d)
-    _check_history(d, _hybrid_depth(d)[0])
-
-
-register(DraftKind(
-    name="hybrid_block", make_drafter=_hybrid_block_drafter,
-    headroom=lambda d: d.history.budget, deepest=_hybrid_depth,
-    check=_check_hybrid_block, head=BLOCK_HEAD, history=True,
-    no_tree=" (its tree is draft.history.budget nodes)"))
+register(DraftKind.of("hybrid_block", make_drafter=_hybrid_block_drafter, head=BLOCK_HEAD,
+                      history=True))

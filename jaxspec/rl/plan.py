@@ -250,14 +250,25 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                           f"smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
                           f">= {tokenizer.vocab_size}")
     # Prompt + rollout + draft headroom must fit the policy's cache.
-    room = model_config.max_position_embeddings - r.max_new_tokens - draft_headroom(d)
+    cache, headroom = model_config.max_position_embeddings, draft_headroom(d)
+    room = cache - r.max_new_tokens - headroom
     if r.max_prompt_len > room:
-        raise ConfigError("rollout.max_prompt_len", r.max_prompt_len,
-                          f"a prompt of {r.max_prompt_len} tokens + max_new_tokens "
-                          f"{r.max_new_tokens} + draft headroom {draft_headroom(d)} does not fit "
-                          f"the cache (max_position_embeddings = "
-                          f"{model_config.max_position_embeddings})",
-                          f"<= {room}, or a larger model.max_position_embeddings")
+        fits = (f"a prompt of {r.max_prompt_len} tokens + rollout.max_new_tokens "
+                f"{r.max_new_tokens} + draft headroom {headroom} does not fit the cache "
+                f"(max_position_embeddings = {cache})")
+        longest = cache - headroom - r.max_prompt_len  # new tokens beside this prompt length
+        if room < 1:  # no prompt fits: the rollout length is what is too long
+            raise ConfigError("rollout.max_new_tokens", r.max_new_tokens, fits,
+                              f"an int in [1, {longest}] (with rollout.max_prompt_len="
+                              f"{r.max_prompt_len}), or a larger model.max_position_embeddings"
+                              if longest >= 1 else
+                              f"model.max_position_embeddings >= "
+                              f"{r.max_prompt_len + r.max_new_tokens + headroom}")
+        raise ConfigError("rollout.max_prompt_len", r.max_prompt_len, fits,
+                          f"an int in [1, {room}] (with rollout.max_new_tokens="
+                          f"{r.max_new_tokens})" + (
+                              f", rollout.max_new_tokens in [1, {longest}]" if longest >= 1
+                              else "") + ", or a larger model.max_position_embeddings")
     if isinstance(task, tasks_lib.JsonlTask):  # every prompt of the file
         prompts = [(f"prompt {i}", ex.prompt) for i, ex in enumerate(task.examples)]
     else:  # the longest a generated task can produce (RL and warm-up streams)

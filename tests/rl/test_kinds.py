@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import draft_kinds
 from jaxspec.config import ConfigError, load_config
 from jaxspec.decoding.tree import Tree
 from jaxspec.rl import kinds
@@ -61,8 +62,9 @@ REPEAT = kinds.DraftKind(
 
 
 @pytest.fixture
-def repeat_kind(monkeypatch):
+def repeat_kind(monkeypatch):  # kinds.register(REPEAT), undone after the test
     monkeypatch.setitem(kinds.KINDS, "repeat", REPEAT)
+    monkeypatch.setitem(draft_kinds.RULES, "repeat", REPEAT)
 
 
 def test_an_unregistered_kind_is_refused():  # the negative control
