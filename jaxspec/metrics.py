@@ -284,9 +284,11 @@ def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | N
     'step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | train 0.41s 25%'
     (with an online draft head, its next-token accuracy on the step's rollouts after acc_len:
     'head_acc 0.91').
-    Generation and training, then the stages taking most of the step, are shown (in pipeline
-    order); the time of those that do not fit is summed as 'rest' (metrics.jsonl has them
-    all)."""
+    The stages that take a quarter of the step or more (a compile: the draft's on the first
+    step after a resume), then generation and training, then the others by time are shown (in
+    pipeline order) as far as the width allows (the percentages, then generation and
+    training, left out when the big stages would not fit otherwise); the time of those that
+    do not fit is summed as 'rest' (metrics.jsonl has them all)."""
     m = scalar_metrics(metrics)
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     if m.get("reward") is not None:
@@ -299,25 +301,32 @@ def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | N
         parts.append(f"step {m['time/step']:.2f}s")
     stages = [k[len("time/"):] for k in m
               if k.startswith("time/") and k != "time/step" and m[k] is not None]
+    step_seconds = m.get("time/step") or sum(m[f"time/{n}"] for n in stages)
+    big = {n for n in stages if m[f"time/{n}"] >= 0.25 * step_seconds > 0}
 
-    def text(names, label=None):
+    def text(names, label, shares):
         seconds = sum(m[f"time/{n}"] for n in names)
-        shares = [m.get(f"share/{n}") for n in names]
+        pct = [m.get(f"share/{n}") for n in names]
         out = f"{label or _STAGE_ABBREV.get(names[0], names[0])} {seconds:.2f}s"
-        return out + (f" {100 * sum(shares):.0f}%" if None not in shares else "")
+        return out + (f" {100 * sum(pct):.0f}%" if shares and None not in pct else "")
 
-    shown = []
-    # generation and training first (the stages every reader compares), then by time
-    for name in sorted(stages, key=lambda n: (n not in ("generation", "training"), -m[f"time/{n}"])):
-        trial = [n for n in stages if n in shown or n == name]
-        rest = [n for n in stages if n not in trial]
-        line = " | ".join(parts + [text([n]) for n in trial] + ([text(rest, "rest")] if rest else []))
-        if len(line) > width:
+    def line_of(shown, shares):
+        rest = [n for n in stages if n not in shown]
+        return " | ".join(parts + [text([n], None, shares) for n in stages if n in shown]
+                          + ([text(rest, "rest", shares)] if rest else []))
+
+    order = sorted(stages, key=lambda n: (n not in big, n not in ("generation", "training"),
+                                          -m[f"time/{n}"]))
+    main = big | ({"generation", "training"} & set(stages))
+    for needed, shares in ((main, True), (main, False), (big, True), (big, False)):
+        shown: list[str] = []
+        for name in order:
+            if len(line_of(shown + [name], shares)) > width:
+                break
+            shown.append(name)
+        if needed <= set(shown):
             break
-        shown.append(name)
-    rest = [n for n in stages if n not in shown]
-    line = " | ".join(parts + [text([n]) for n in stages if n in shown]
-                      + ([text(rest, "rest")] if rest else []))
+    line = line_of(shown, shares)
     return line if len(line) <= width else line[:width]
 
 

@@ -51,6 +51,11 @@ def main(argv=None) -> int:
         from jaxspec.host import collect_garbage_rarely, keep_freed_memory
 
         keep_freed_memory()  # XLA CPU's per-call buffers: no page faults on every call
+        from jaxspec import compilation_cache
+
+        cache = compilation_cache.enable()  # re-runs and resumes read compiled programs
+        setup.line(f"compiled programs cached in {cache} ({compilation_cache.ENV}=0: off)"
+                   if cache else "persistent compilation cache off")
 
         try:  # an srun launch or JAXSPEC_* variables join one run (docs/scaling.md), before
             parallel.initialize_distributed()  # anything below touches a device; else nothing
@@ -71,6 +76,10 @@ def main(argv=None) -> int:
     with faults.StopSignals(log=console.line) as stop:
         try:
             cfg = load_config(args.config, overrides)
+            finished = _finished(cfg)
+            if finished is not None:  # nothing to train: say so before anything compiles
+                console.line(finished)
+                return 0
             stop.setting_up = True  # a signal during the warm-up / draft init stops at once
             trainer = GRPOTrainer(cfg, log=console.line)
             stop.setting_up = False
@@ -108,6 +117,25 @@ def main(argv=None) -> int:
            if summary.get("generation_speedup") is not None else "")
         + f" | plots: python scripts/report.py {cfg.run.dir}")
     return 0
+
+
+def _finished(cfg) -> str | None:
+    """With run.resume: the message that the run in run.dir already finished run.steps
+    (its checkpoint is at run.steps or later and its export is written), else None."""
+    import os
+
+    from jaxspec.rl.plan import _checkpoint_dir, _saved_steps
+
+    if not cfg.run.resume:
+        return None
+    steps = _saved_steps(_checkpoint_dir(cfg))
+    if not steps or steps[-1] < cfg.run.steps:
+        return None
+    if not os.path.isfile(os.path.join(cfg.run.dir, "policy", "config.json")):
+        return None  # stopped before its export: the resume writes it
+    return (f"{cfg.run.dir}: the run already finished (checkpoint at step {steps[-1]}, "
+            f"run.steps={cfg.run.steps}); nothing to do. To train further: --resume "
+            f"run.steps=N with N > {steps[-1]}; plots: python scripts/report.py {cfg.run.dir}")
 
 
 def _train(cfg, trainer, stop, config_path, start, console) -> None:

@@ -9,6 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402  (reads JAX_PLATFORMS; starts no backend yet)
 import pytest  # noqa: E402
 
+from jaxspec import compilation_cache  # noqa: E402
 from jaxspec.testing.compile import AS_USERS, cheap_xla_flags, use_cheap_compiles  # noqa: E402
 
 # The suite's processes compile cheaply (jaxspec.testing.compile): with jaxlib <= 0.10 also
@@ -24,12 +25,12 @@ if not _AS_USERS_RUN and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FL
 # writes cache entries in place; a size limit turns on its file lock around every read and
 # write, so no process reads another's half-written entry. The limit itself (4 GiB) is far
 # above the suite's ~100 MiB.
+# The scripts' mechanism (jaxspec.compilation_cache), in the checkout's .jax_cache; the
+# scripts a test runs in-process or as a subprocess use it too (JAXSPEC_COMPILATION_CACHE).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache" / "shared"
-jax.config.update("jax_compilation_cache_dir", str(_CACHE))
-jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+os.environ.setdefault(compilation_cache.ENV, str(_CACHE))
+compilation_cache.enable(os.environ[compilation_cache.ENV])
 
 
 # Compile time dominates the suite, so test programs compile cheaply

@@ -80,3 +80,17 @@ def test_main_in_a_pipe_writes_plain_lines_that_fit(tmp_path, capsys):
     assert [line.split(" | ")[0] for line in lines if line.startswith("step ")] == [
         "step 1/2", "step 2/2"]
     assert any(line.startswith("done in") for line in lines)
+
+
+def test_a_compiling_stage_is_named_not_filed_under_rest():
+    """The first step after a resume as the tiny run printed it: the draft's compile (56% of
+    the step) is named with its seconds; 'rest' holds only what is left."""
+    row = {"reward": 0.77, "acceptance_length": 2.05, "draft/acc_0": 0.92, "time/step": 18.61,
+           "time/data": 0.01, "share/data": 0.01 / 18.61, "time/generation": 0.03,
+           "share/generation": 0.03 / 18.61, "time/training": 7.99, "share/training": 7.99 / 18.61,
+           "time/draft": 10.45, "share/draft": 10.45 / 18.61, "time/other": 0.13}
+    line = format_step_line(11, row, total_steps=12)
+    assert len(line) <= WIDTH, line
+    parts = dict(p.split(" ", 1) for p in line.split(" | ")[5:])
+    assert parts["draft"].startswith("10.45s") and parts["train"].startswith("7.99s"), line
+    assert float(parts["rest"].split("s")[0]) < 0.25, line
