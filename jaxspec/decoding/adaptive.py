@@ -53,9 +53,10 @@ choice cannot change before it: k = 0 adds no counts), keeping no per-iteration 
 recording entries for the drafter only in its last `window` iterations (`phases`). A probe
 then costs two program switches besides its draft.
 
-Lossless by construction: with replay the tokens do not depend on the drafts at all; with
-rejection sampling the draft length is chosen from past iterations only, and each
-iteration's output is exact for any draft length.
+Lossless by construction: with replay the tokens do not depend on the drafts at all.
+`generate` refuses rejection sampling with it (`arguments.check_adaptive`): choosing k from
+past iterations keeps each iteration exact, but one k for the batch comes from every row's
+acceptance, and a row's tokens, which follow its drafts, would depend on its neighbours.
 """
 
 from __future__ import annotations

@@ -125,6 +125,14 @@ def check_adaptive(adaptive, drafter, policy, method: str, max_len: int) -> dict
         raise TypeError(f"adaptive must be a jaxspec.decoding.AdaptiveK (from "
                         f"jaxspec.decoding.measure_costs) or None; got {describe(adaptive)}")
     name = type(drafter).__name__
+    if method == "rejection":  # per-row k: a verify with a per-row cut of the chain; not done
+        raise ValueError(
+            "adaptive draft length with method='rejection': k is chosen per iteration for the "
+            "whole batch from its acceptance (the counts, or a confidence head's estimate "
+            "averaged over the live rows), and under rejection sampling the tokens follow the "
+            "drafts, so a row's tokens would depend on the rows that share its call (rows=, "
+            "slots); use method='replay' (tokens independent of the drafts and of k), or "
+            "adaptive=None (a fixed k)")
     if drafter.num_nodes == 0 or not isinstance(drafter, AdaptiveLength):
         raise ValueError(f"adaptive draft length needs a chain drafter or a tree with a with_k "
                          f"method (EAGLE-3, MTP, draft model, n-gram, history, hybrid, oracle); "
@@ -133,9 +141,6 @@ def check_adaptive(adaptive, drafter, policy, method: str, max_len: int) -> dict
     base = jax.eval_shape(lambda d, p: d.init_state(p, 2, max_len), drafter, policy)
     for k, d in variants.items():
         d.check_compatible(policy)
-        if method == "rejection" and not d.supports_rejection:
-            raise ValueError(f"method='rejection': {name}.with_k({k}) cannot sample its drafts "
-                             f"(use method='replay')")
         state = jax.eval_shape(lambda d, p: d.init_state(p, 2, max_len), d, policy)
         if jax.tree.structure(state) != jax.tree.structure(base) or any(
                 (a.shape, a.dtype) != (b.shape, b.dtype)

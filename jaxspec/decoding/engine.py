@@ -76,7 +76,8 @@ def generate(
       adaptive: choose the draft length k (0 = plain decoding) before every iteration from
         the measured costs and the acceptance (`jaxspec.decoding.adaptive`; build it with
         `measure_costs` on the same arguments). The drafter needs `with_k`
-        (`protocols.AdaptiveLength`).
+        (`protocols.AdaptiveLength`); method "replay" or "greedy" (one k for the batch:
+        under "rejection" a row's tokens would depend on the rows beside it).
       grow_cache: start with a small KV cache and move to a larger one (doubling, up to the
         full length) only when a live row needs it (each capacity compiles its own
         program). None: on CPU only; False: one full-length cache. With the reference
