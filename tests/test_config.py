@@ -218,6 +218,7 @@ def test_a_config_saved_by_an_earlier_version_still_loads():
                    ("model", "norm_topk_prob"): False, ("model", "decoder_sparse_step"): 1,
                    ("model", "mlp_only_layers"): [], ("model", "shared_expert_intermediate_size"): 0,
                    ("model", "expert_backend"): "blocked", ("model", "fused_kernels"): "auto",
+                   ("model", "train_attention"): "auto",
                    ("mesh", "expert"): 1,
                    ("grpo", "router_aux_coef"): 0.0, ("grpo", "router_z_coef"): 0.0}
     written = C.to_dict(saved)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.kernels import BACKENDS
+from jaxspec.kernels.flash import IMPLEMENTATIONS as TRAIN_ATTENTIONS
 from jaxspec.errors import FieldError
 
 FAMILIES = ("qwen3", "llama", "qwen3_moe")
@@ -49,6 +50,11 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     dtype: str = "float32"
     attention_backend: str = "reference"
+    # The attention of forwards with no cache (training, scoring: jaxspec.kernels.flash), which
+    # never forms [B, heads, T, T] scores: "chunked" (jnp, blocked online softmax), "cudnn"
+    # (GPU, bfloat16: cuDNN's fused attention), "auto" (cudnn on a GPU for bfloat16, else
+    # chunked) or "reference" (the dense mask through attention_backend: T^2 memory).
+    train_attention: str = "auto"
     family: str = "qwen3"
     # Batch-invariant forward (jaxspec.kernels.invariant): a token's logits do not depend on
     # how many rows and tokens share the forward, so bf16 replay is bitwise; it replaces
@@ -89,6 +95,7 @@ class ModelConfig:
     def __post_init__(self):
         for name, choices in (("family", FAMILIES), ("dtype", DTYPES),
                               ("attention_backend", BACKENDS), ("layer_loop", LAYER_LOOPS),
+                              ("train_attention", TRAIN_ATTENTIONS),
                               ("fused_kernels", FUSED_KERNELS),
                               ("expert_backend", EXPERT_BACKENDS)):
             value = getattr(self, name)

@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxspec.kernels import WithAncestors, layer_array, platform, swiglu, tree_attention
 from jaxspec.kernels import qkv as qkv_kernel
+from jaxspec.kernels.flash import CausalMask, causal_attention
 from jaxspec.kernels.invariant import invariant_attention, invariant_dot, round_to, tree_sum, uncontracted
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.moe import MoE
@@ -229,12 +230,27 @@ class Attention(nnx.Module):
         k_cache,  # [B, S, kv_heads, head_dim] or a kernels.CacheLayer (read as stored)
         v_cache,  # [B, S, kv_heads, head_dim] or a kernels.CacheLayer
         cache_lengths,  # [B] int32, <= S
-        mask,  # [B, T, T] bool: new token i may attend to new token j
+        mask,  # [B, T, T] bool: new token i may attend to new token j; or a CausalMask
         positions=None,  # [B, T] int32 (needed by the batch-invariant mode)
         thread: bool = False,
     ):  # -> [B, T, heads, head_dim]; thread: (that, k_cache, v_cache) (kernels.tree_attention)
         """New tokens over the cached prefix plus the new tokens the mask allows; the cache
-        is never cast or copied here (the default backend reads only its live blocks)."""
+        is never cast or copied here (the default backend reads only its live blocks).
+
+        A `CausalMask` (a forward with no cache: training and scoring) goes to
+        `kernels.flash.causal_attention` per config.train_attention, which never forms the
+        [B, heads, T, T] scores; "reference" and the batch-invariant forward take its dense
+        mask instead."""
+        if isinstance(mask, CausalMask):
+            if self.config.batch_invariant or self.config.train_attention == "reference":
+                mask = mask.dense()
+            else:
+                if k_cache.shape[1]:
+                    raise ValueError("a CausalMask is for forwards with no cache; got a cache "
+                                     f"of {k_cache.shape[1]} slots")
+                out = causal_attention(q, k, v, mask.valid,
+                                       implementation=self.config.train_attention)
+                return (out, k_cache, v_cache) if thread else out
         if self.config.batch_invariant:
             if positions is None:
                 raise ValueError("the batch-invariant attention needs the new tokens' positions")
@@ -330,7 +346,7 @@ class DecoderLayer(nnx.Module):
         k_cache,  # [B, S, kv_heads, head_dim]
         v_cache,  # [B, S, kv_heads, head_dim]
         cache_lengths,  # [B]
-        mask,  # [B, T, T] bool
+        mask,  # [B, T, T] bool or a CausalMask (Attention.attend)
         embeds=None,  # [B, T, H] token embeddings (embed_input layers only)
         thread: bool = False,
         index=None,  # int32 scalar layer index (a model mixing dense and sparse layers)

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.kernels import CacheLayer, platform
+from jaxspec.kernels.flash import CausalMask
 from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig, matmul_precision
 from jaxspec.kernels.invariant import invariant_dot
@@ -85,7 +86,7 @@ class Transformer(nnx.Module):
         k_cache,  # [L, B, S, kv_heads, head_dim]
         v_cache,  # [L, B, S, kv_heads, head_dim]
         cache_lengths,  # [B] int32, <= S
-        mask,  # [B, T, T] bool
+        mask,  # [B, T, T] bool, or a kernels.flash.CausalMask (no cache)
         capture: tuple[int, ...] = (),
         head: bool = True,
         layer_params: tuple | None = None,  # per-layer params (Policy.unstack_layers): unrolled
@@ -169,7 +170,10 @@ def _forward(policy, tokens, positions, cache, mask, capture, head=True, routing
     else:
         k_cache, v_cache, lengths = cache.k, cache.v, cache.lengths
     s = k_cache.shape[2]
-    valid, mask = new_token_mask(positions, mask)
+    if cache is None and mask is None:  # causal over the real tokens: an O(T) mask
+        valid, mask = positions >= 0, CausalMask(positions >= 0)
+    else:
+        valid, mask = new_token_mask(positions, mask)
     logits, captured, k_new, v_new, k_cache, v_cache, route = model(
         tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture, head,
         layer_params=policy.layer_params,

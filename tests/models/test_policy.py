@@ -288,9 +288,10 @@ def test_with_config_rebuilds_the_graph_and_astype_casts(qwen3_policies):
     triton = policy.with_config(attention_backend="triton")
     assert triton.config.attention_backend == "triton"
     assert triton.params is policy.params
-    if jax.default_backend() != "gpu":  # the setting reaches the kernel call
+    if jax.default_backend() != "gpu":  # the setting reaches the kernel call (a forward with a
+        # mask: one with no cache and no mask takes model.train_attention instead)
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
-            triton.forward(tokens, positions)
+            triton.forward(tokens, positions, mask=np.tril(np.ones((1, 2, 2), bool)))
     with pytest.raises(ValueError, match="no-such-backend"):
         policy.with_config(attention_backend="no-such-backend")
     with pytest.raises(ValueError, match=r"changes the parameters"):
