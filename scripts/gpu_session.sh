@@ -14,6 +14,10 @@
 #   bash scripts/gpu_session.sh short    # one 10-minute call: 8B plain and k=3 rollouts at batch
 #                                        # 1/64 vs the bound, fused vs XLA at batch 64, the gpu
 #                                        # kernel tests, tests/decoding for 80 s
+#   bash scripts/gpu_session.sh profile  # issue 50, ~7 min: per-kernel times (JAX's profiler) of
+#                                        # the 8B decode, verify k=3, tree N=16 programs and the
+#                                        # engine's loop at batch 64 and 1, host gaps, bandwidth,
+#                                        # each program's HLO and estimate -> $OUT/profile_8b.json
 # Every step has its own time limit, so one that hangs or fails leaves the rest running;
 # each step's log goes to $OUT (or ./gpu_out) and its last lines to the console.
 # Optional wheels (jax-triton, tensorboardX) in .whl/ are installed into /tmp/site first;
@@ -22,7 +26,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 -d .whl jax-triton==0.3.1 tensorboardX==2.6.5
 set -u
-[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine|engine2|fused|short ..."; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh check|tests|kernels|train|rollout|rollout_invariant|kernels_b64|engine|engine2|fused|short|profile ..."; exit 2; }
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -138,7 +142,16 @@ short)
     --batches 64 --tokens 4,16 --context 2048 --rounds 3 --json "$out/fused_8b.json"
   gpu_tests "${DECODING_LIMIT:-80}"
   ;;
-*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2 | fused | short"; exit 2 ;;
+profile)
+  # Issue 50: where the 8B verify's 2.67x-its-floor time goes. Cases run by priority (batch
+  # 64 first) until --budget-s; the JSON is rewritten after each, so a limit keeps the rest.
+  report_env
+  TAIL=40 step profile_8b 430 python3 scripts/gpu_profile.py --config configs/qwen3_8b_shape.yaml \
+    --batches 64,1 --context 2048 --calls 3 --new-tokens 32 --budget-s 330 \
+    --json "$out/profile_8b.json" --hlo-dir "$out/profile_hlo"
+  gzip -f "$out"/profile_hlo/*.hlo.txt 2>/dev/null
+  ;;
+*) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2 | fused | short | profile"; exit 2 ;;
 esac
 done
 echo "total +$(( $(date +%s) - start ))s"

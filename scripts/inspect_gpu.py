@@ -12,7 +12,9 @@ Per program: HBM bytes per loop iteration estimated from the optimized HLO
 (jaxspec.gpu_targets.hlo) against the floor (weights + live KV read once; training: also
 the model-FLOPs time), copies over 1 MB in the loop body with their jax origin, kernels
 per iteration (and how many run inside a CUDA-graph command buffer), and XLA's memory per
-device. Each program's optimized HLO goes to --hlo-dir.
+device, and a time per iteration estimated per kernel (jaxspec.gpu_targets.estimate: the
+larger of FLOPs over the peak and bytes over the bandwidth, plus a launch cost), with a
+profile's measured times beside it (--profile). Each program's optimized HLO goes to --hlo-dir.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def _parse(argv):
                         "the ones the engine compiles with on a GPU (kernels.compiler_options)")
     p.add_argument("--json", default=None, help="write the reports here")
     p.add_argument("--hlo-dir", default=None, help="write each program's optimized HLO here")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="a GPU profile's JSON (scripts/gpu_profile.py): its measured time per "
+                        "kernel beside the estimate, the kernels furthest over it first")
     p.add_argument("overrides", nargs="*", help="config overrides a.b=c")
     return p.parse_args(argv)
 
@@ -97,7 +102,27 @@ def _row(r: dict) -> str:
     return (f"{r['program']:<13} {r.get('batch') or '-':>5} {r['bytes'] / gb:>9.3f} "
             f"{r['floor'] / gb:>9.3f} {ratio:>8} {copies:>6} {r['kernels_hlo']:>7} "
             f"{th.get('kernels', '-'):>6} {th.get('in_command_buffer', '-'):>6} "
-            f"{mem:>8.2f}  ({r['compile_s']:.0f} s){extra}")
+            f"{mem:>8.2f} {r['estimate']['time_ms']:>8.3f}  ({r['compile_s']:.0f} s){extra}")
+
+
+def _measured(path, program: str, batch):
+    """The profile's kernels of `program` at `batch` (None: no --profile, or not profiled)."""
+    from jaxspec.gpu_targets import estimate
+
+    return estimate.load_profile(path, program, batch) if path else None
+
+
+def _measured_lines(r: dict) -> list[str]:
+    m = r["measured"]
+    lines = [f"measured in {r['program']} (batch {r.get('batch')}): {m['matched']} of "
+             f"{m['estimated_kernels']} kernels matched, {m['measured_us']:,.0f} us measured "
+             f"against {m['estimated_us']:,.0f} us estimated per iteration; "
+             f"{m['unmatched_measured_us']:,.0f} us in kernels the HLO does not name"]
+    for k in m["furthest"][:8]:
+        ratio = f"{k['ratio']:.1f}x" if k["ratio"] else "-"
+        lines.append(f"  {k['name']:<32} {k['measured_us']:>9.1f} us vs {k['estimated_us']:>8.1f} "
+                     f"({ratio}, {k['bound']}) {k['op_name'][-60:]}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -122,6 +147,11 @@ def main(argv=None) -> int:
         bad = [p for p in programs if p not in PROGRAMS]
         if bad:
             raise ValueError(f"--programs {','.join(bad)} unknown; valid: {', '.join(PROGRAMS)}")
+        if args.profile is not None:
+            with open(args.profile) as fh:  # an OSError or JSONDecodeError (a ValueError)
+                if "cases" not in json.load(fh):
+                    raise ValueError(f"--profile {args.profile}: no 'cases' (not a "
+                                     f"scripts/gpu_profile.py JSON)")
         if args.layer_loop not in (None, "auto", "scan", "unroll"):
             raise ValueError(f"--layer-loop {args.layer_loop!r}; valid: auto, scan, unroll")
         xla = {}
@@ -131,7 +161,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"--xla {item!r}: want OPTION=VALUE with an xla_ option name")
             xla[key] = value
         gpu_targets.check_plugin()
-    except (ValueError, gpu_targets.PluginMissingError) as e:
+    except (ValueError, OSError, gpu_targets.PluginMissingError) as e:
         return _fail(str(e))
     from jaxspec.config import ConfigError, load_config
 
@@ -156,7 +186,7 @@ def main(argv=None) -> int:
           f"layers, {model.dtype}, layer_loop={model.layer_loop}, context {args.context}",
           flush=True)
     print(f"{'program':<13} {'batch':>5} {'GB/iter':>9} {'floor GB':>9} {'ratio':>8} "
-          f"{'copies':>6} {'kernels':>7} {'thunks':>6} {'in CB':>6} {'GB/dev':>8}", flush=True)
+          f"{'copies':>6} {'kernels':>7} {'thunks':>6} {'in CB':>6} {'GB/dev':>8} {'est ms':>8}", flush=True)
     reports = []
     one = gpu_targets.mesh(args.target, {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
     for name in programs:
@@ -166,7 +196,8 @@ def main(argv=None) -> int:
             program = build_program(name, model, batch=0, context=args.context, mesh=mesh,
                                     run=run_settings(cfg))
             report = inspect_program(program, args.target, mesh, hlo_dir=args.hlo_dir,
-                                     tag=f"{name}_{args.target}_x{args.devices}", xla_options=xla)
+                                     tag=f"{name}_{args.target}_x{args.devices}", xla_options=xla,
+                                     measured=_measured(args.profile, name, None))
             report["batch"] = run_settings(cfg)["batch"]
             reports.append(report)
             print(_row(report), flush=True)
@@ -177,7 +208,8 @@ def main(argv=None) -> int:
                                     draft_vocab=cfg.draft.draft_vocab_size or 32_000)
             report = inspect_program(program, args.target, one, hlo_dir=args.hlo_dir,
                                      tag=f"{name}_b{batch}_{args.target}_{model.layer_loop}",
-                                     xla_options=xla)
+                                     xla_options=xla,
+                                     measured=_measured(args.profile, name, batch))
             report.update(batch=batch, context=args.context, layer_loop=model.layer_loop,
                           config=args.config)
             reports.append(report)
@@ -186,6 +218,9 @@ def main(argv=None) -> int:
         for c in r["copies_over_1mb"]:
             print(f"  copy in {r['program']} (batch {r.get('batch')}): {c['bytes'] / 1e6:.1f} MB "
                   f"x{c['count']} {c['kind']} from {c['op_name'] or '?'}")
+    for r in reports:
+        if "measured" in r:
+            print("\n".join(_measured_lines(r)))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(reports, fh, indent=1)

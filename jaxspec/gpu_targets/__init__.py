@@ -56,6 +56,17 @@ class GpuTarget:
         lines = (_HERE / self.config_file).read_text().splitlines()
         return "\n".join(line for line in lines if not line.lstrip().startswith("#")) + "\n"
 
+    @property
+    def f32_flops(self) -> float:
+        """Dense TF32 tensor-core peak (FLOP/s): f32 dots at XLA's default precision."""
+        return F32_DOT_FLOPS[self.name]
+
+
+# Dense TF32 tensor-core peaks (jaxspec.gpu_targets.estimate): H100 / H200 SXM 494.7 TFLOP/s
+# (NVIDIA's H100 and H200 datasheets give 989 with sparsity); GB200 1.25 PFLOP/s per GPU
+# (NVL72: 90 PF dense TF32 over 72 GPUs).
+F32_DOT_FLOPS = {"h100": 494.7e12, "h200": 494.7e12, "gb200": 1.25e15}
+
 
 # Dense bf16 peaks: H100/H200 SXM 989 TFLOP/s; GB200 2.5 PFLOP/s per GPU (NVL72: 180 PF
 # dense bf16 over 72 GPUs). Memory and bandwidth match the config files (tested).

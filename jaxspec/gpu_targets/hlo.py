@@ -37,6 +37,7 @@ from collections.abc import Callable
 __all__ = [
     "Computation",
     "Instruction",
+    "Kernel",
     "LoopCost",
     "Module",
     "loop_costs",
@@ -221,9 +222,24 @@ class LoopCost:
     copies: list[Copy] = dataclasses.field(default_factory=list)
     unknown_trips: list[str] = dataclasses.field(default_factory=list)
     largest: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+    # Every kernel-running instruction walked (jaxspec.gpu_targets.estimate times them);
+    # left out of as_dict.
+    kernel_list: list[Kernel] = dataclasses.field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "kernel_list"}
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One kernel-running instruction of a walked loop body: where it sits, its executions
+    per iteration of the loop reported, and the bytes each execution moves."""
+
+    inst: Instruction
+    computation: Computation
+    count: int
+    bytes: int
+    in_command_buffer: bool
 
 
 def _fusion_bytes(module: Module, inst: Instruction, comp: Computation) -> int:
@@ -352,6 +368,8 @@ def _walk(module: Module, comp: Computation, cost: LoopCost, times: int, in_buff
                 cost.command_buffer_kernels += times * best.command_buffer_kernels
                 cost.copies += best.copies
                 cost.unknown_trips += best.unknown_trips
+                cost.kernel_list += [dataclasses.replace(k, count=k.count * times)
+                                     for k in best.kernel_list]
             continue
         operands = [comp.instructions[o] for o in inst.operands if o in comp.instructions]
         given = custom_reads(inst, operands) if custom_reads is not None else None
@@ -366,6 +384,7 @@ def _walk(module: Module, comp: Computation, cost: LoopCost, times: int, in_buff
         cost.kernels += times
         cost.command_buffer_kernels += times if in_buffer else 0
         cost.largest.append((times * moved, inst.name, inst.op_name))
+        cost.kernel_list.append(Kernel(inst, comp, times, moved, in_buffer))
         if op in ("copy", "copy-start") or (op == "fusion" and _is_mover(module, inst)):
             cost.copies.append(Copy(inst.name, inst.bytes, inst.op_name,
                                     op if op != "fusion" else inst.name, times))

@@ -24,7 +24,9 @@ Per program: HBM bytes moved per loop iteration (the method in `gpu_targets.hlo`
 floor (the bytes the step must read: the weights it multiplies with once, the embedding rows
 it gathers, the live KV cache once, the new KV entries written once), copies over 1 MB
 inside the loop and their jax origin, kernels per iteration (from the HLO, and from XLA's
-thunks: how many inside a command buffer), and `memory_analysis()` per device. Training
+thunks: how many inside a command buffer), `memory_analysis()` per device, and a time per
+iteration (`jaxspec.gpu_targets.estimate`: per kernel the larger of FLOPs over the peak and
+bytes over the bandwidth, plus a launch cost). Training
 programs get the model-FLOPs bound too (2 N per token forward, 6 N per token with the
 backward, 8 N with each layer rematerialised, N the parameter count).
 
@@ -47,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import gpu_targets
-from jaxspec.gpu_targets import hlo
+from jaxspec.gpu_targets import estimate, hlo
 
 __all__ = [
     "DECODE_PROGRAMS",
@@ -197,12 +199,13 @@ def _policy_for_decode(cfg, sharding):
 
 
 def build_program(name: str, cfg, *, batch: int, context: int, mesh, prompt_len: int = 1024,
-                  draft_vocab: int = 32_000, run=None) -> Program:
+                  draft_vocab: int = 32_000, run=None, platform: str = "gpu") -> Program:
     """The abstract program `name` (one of PROGRAMS) for model config `cfg`, built as on a
-    GPU (`kernels.target_platform("gpu")`: e.g. the layer loop `generate` would pick)."""
+    GPU (`kernels.target_platform("gpu")`: e.g. the layer loop `generate` would pick), or
+    as on `platform` (scripts/gpu_profile.py runs them on CPU too)."""
     from jaxspec.kernels import target_platform
 
-    with target_platform("gpu"):
+    with target_platform(platform):
         return _build_program(name, cfg, batch=batch, context=context, mesh=mesh,
                               prompt_len=prompt_len, draft_vocab=draft_vocab, run=run)
 
@@ -425,11 +428,13 @@ def _optim_spec(run):
 
 
 def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: str = "",
-                    xla_options: dict | None = None) -> dict:
+                    xla_options: dict | None = None, measured: dict | None = None) -> dict:
     """Compiles `program` for `target` on `mesh` and returns its report (a JSON-able dict),
     with the XLA options the engine compiles its programs with on a GPU
     (`kernels.compiler_options`) and then `xla_options` (extra ones, e.g.
-    {"xla_gpu_enable_command_buffer": ""}; they override the engine's)."""
+    {"xla_gpu_enable_command_buffer": ""}; they override the engine's). Its "estimate" is
+    the time per iteration (`gpu_targets.estimate`); with `measured` (a profile's kernels,
+    `estimate.load_profile`) "measured" sets them beside it, furthest over first."""
     from jaxspec.kernels import compiler_options, target_platform
 
     gpu = gpu_targets.target(target)
@@ -481,6 +486,12 @@ def inspect_program(program: Program, target: str, mesh, *, hlo_dir=None, tag: s
         "compile_s": seconds,
         "xla_options": options,
     }
+    th = report["thunks"]
+    share = th["in_command_buffer"] / th["kernels"] if th and th["kernels"] else None
+    kernels = estimate.estimate_loop(module, cost, gpu, graph_share=share)
+    report["estimate"] = estimate.summary(kernels)
+    if measured is not None:
+        report["measured"] = estimate.compare(kernels, measured)
     if program.flops:
         devices = report["devices"]
         report["flops"] = program.flops
