@@ -88,8 +88,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     policy, head = train_draft(cfg, plan)
-    export_models(cfg.run.dir, policy, source=cfg.model.hf_path,
-                  tokenizer=plan.tokenizer if cfg.model.hf_path is None else None)
+    export_models(cfg.run.dir, policy, source=cfg.model.hf_path, tokenizer=plan.tokenizer)
     out = f"{cfg.run.dir}/{_out_dir(cfg)}"
     KINDS[cfg.draft.kind].head.save(head, out, policy=policy, layout=args.mtp_layout)
     print(f"draft trained in {time.perf_counter() - start:.1f}s -> {out} (policy in "

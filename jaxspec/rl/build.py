@@ -91,15 +91,20 @@ def build_draft_model(cfg, plan, cluster, *, resuming: bool,
 
 def export_models(run_dir: str, policy: Policy, *, source: str | None = None,
                   tokenizer=None) -> None:
-    """The policy to <run_dir>/policy (HF safetensors), servable as it is. A draft head is
-    saved by its kind (`rl.kinds.HeadKind.save`).
+    """The policy to <run_dir>/policy (HF safetensors), servable as it is: its tokenizer
+    encodes a prompt as the trainer does (`AutoTokenizer.from_pretrained(dir)(text)` is
+    `tokenizer.encode_prompt(text)` for raw prompts; templated ones go through the copied
+    chat template). A draft head is saved by its kind (`rl.kinds.HeadKind.save`).
 
     Args:
         run_dir: the run's directory.
         policy: the trained policy (host arrays).
         source: the run's model.hf_path, whose tokenizer files, generation_config.json and
             special ids are copied; None: the tiny model's.
-        tokenizer: the built-in character tokenizer, written when there is no source.
+        tokenizer: the run's tokenizer (`plan.tokenizer`): written when there is no source
+            (the built-in character one); with a source, the copy's prompt encoding is
+            checked against it (and given the BOS the trainer prepends) when it is the
+            source's own (`HFTokenizer`). None: neither.
     """
     from jaxspec.models import save_hf
     from jaxspec.models.hf import SpecialTokens, save_char_tokenizer
@@ -114,3 +119,44 @@ def export_models(run_dir: str, policy: Policy, *, source: str | None = None,
                             max_length=policy.config.max_position_embeddings)
         special = SpecialTokens(tokenizer.bos_id, (tokenizer.eos_id,), tokenizer.pad_id)
     save_hf(policy, out, source=source, special=special)
+    from jaxspec.rl.tokenizer import HFTokenizer
+
+    if special is not None or isinstance(tokenizer, HFTokenizer):  # the tokenizer written
+        _encode_prompts_as_trained(out, tokenizer)
+
+
+PROBE = "12+(3*4)= 15.5"  # a prompt in the character tokenizer's alphabet too
+
+
+def _encode_prompts_as_trained(out: str, tokenizer) -> None:
+    """policy/'s tokenizer.json given a post-processor that prepends the BOS when the
+    trainer's raw prompts have one and the tokenizer's own encoding does not (a server
+    encodes with special tokens, and a policy trained on BOS + text answers otherwise
+    without it).
+
+    Raises:
+        ValueError: the exported tokenizer still encodes a prompt otherwise than the trainer.
+    """
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    if getattr(tokenizer, "chat_template", False):  # the template carries its own specials
+        return
+    want = tokenizer.encode_prompt(PROBE)
+    served = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    path = os.path.join(out, "tokenizer.json")
+    bos = tokenizer.bos_id
+    if served.encode(PROBE) != want and bos is not None and os.path.isfile(path):
+        tok = Tokenizer.from_file(path)
+        text = served.convert_ids_to_tokens(bos)
+        add_bos = processors.TemplateProcessing(single=f"{text} $A", pair=f"{text} $A $B:1",
+                                                special_tokens=[(text, bos)])
+        tok.post_processor = add_bos if tok.post_processor is None else processors.Sequence(
+            [tok.post_processor, add_bos])
+        tok.save(path)
+        served = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    got = served.encode(PROBE)
+    if got != want:
+        raise ValueError(f"the exported tokenizer in {out} encodes {PROBE!r} as {got}; the "
+                         f"trainer's prompts are {want}: a server would prompt the policy "
+                         f"otherwise than it was trained")

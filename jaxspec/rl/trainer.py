@@ -543,7 +543,7 @@ class GRPOTrainer:
             return
         try:
             export_models(self.cfg.run.dir, policy, source=self.cfg.model.hf_path,
-                          tokenizer=self.tokenizer if self.cfg.model.hf_path is None else None)
+                          tokenizer=self.tokenizer)
             if head is not None:  # in its serving layout, beside the policy
                 self.kind.head.save(head, os.path.join(self.cfg.run.dir, self.kind.head.name),
                                     policy=policy)
