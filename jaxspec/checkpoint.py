@@ -113,8 +113,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ queries
     def all_steps(self) -> list[int]:
-        """Finalised steps, ascending (a save still in progress or killed is not one)."""
-        return sorted(self._manager.all_steps(read=True))
+        """Finalised steps, ascending (a save still in progress or killed is not one), read
+        from disk (`reload`: orbax's `all_steps(read=True)` does the same with a deprecation
+        warning on every call)."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()

@@ -152,3 +152,17 @@ def test_missing_directory_is_a_clear_error(tmp_path):
     assert not (tmp_path / "no_such_run").exists()
     with pytest.raises(CheckpointNotFoundError, match="no finalised checkpoint"):
         CheckpointManager(tmp_path / "empty").restore()
+
+
+def test_steps_are_read_from_disk_without_orbax_deprecation_warnings(tmp_path, caplog):
+    """A resume's step queries (latest_step, all_steps) see a step another manager saved
+    meanwhile, and log none of orbax's "`read` option is deprecated" warnings (three per
+    resume before)."""
+    state = {"w": jnp.arange(3.0)}
+    reader = CheckpointManager(tmp_path)
+    with CheckpointManager(tmp_path) as writer:
+        writer.save(1, state)
+        writer.wait()
+    with caplog.at_level("WARNING"):
+        assert reader.latest_step() == 1 and reader.all_steps() == [1]
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()], caplog.text
