@@ -18,6 +18,8 @@ jitted train step); XLA propagates the shardings through the program. A mesh's a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import math
@@ -46,6 +48,8 @@ __all__ = [
     "cache_shardings",
     "check_mesh_sizes",
     "constrain",
+    "constrain_params",
+    "constrain_rows",
     "hf_shardings",
     "initialize_distributed",
     "local_batch_rows",
@@ -61,6 +65,7 @@ __all__ = [
     "shard_policy",
     "split_devices",
     "sync_weights",
+    "use_rules",
 ]
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
@@ -409,19 +414,78 @@ def shard_cache(
     return _place_tree(cache, shardings)
 
 
+_ACTIVE_RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "jaxspec_sharding_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Mapping[str, Any] | None):
+    """The rules `constrain`, `constrain_rows` and `constrain_params` use when given none,
+    inside the block (a run's `mesh.rules`; None: DEFAULT_RULES). Traced functions are
+    cached without them: a constraint only places values, so a stale one costs
+    communication, never a wrong number."""
+    token = _ACTIVE_RULES.set(None if rules is None else dict(rules))
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
 def constrain(
     x,  # [d0, d1, ...] one logical axis name per dimension
     logical_axes: Sequence[str | None],
     rules: Mapping[str, Any] | None = None,
 ):
-    """Inside jit: pin `x` to the rules' sharding on the mesh set by `jax.set_mesh`; without
-    a mesh it returns x unchanged (so library code can call it unconditionally)."""
+    """Inside jit: pin `x` to the rules' sharding (`rules`, else those of `use_rules`, else
+    DEFAULT_RULES) on the mesh set by `jax.set_mesh`; without a mesh it returns x unchanged
+    (so library code can call it unconditionally)."""
     if len(logical_axes) != np.ndim(x):
         raise ValueError(f"constrain: logical axes {tuple(logical_axes)} for an array of shape {np.shape(x)}")
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
+    rules = _ACTIVE_RULES.get() if rules is None else rules
     return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical_axes, rules))
+
+
+def constrain_rows(
+    x,  # [..., B, ...] activations with the batch at `dim`
+    dim: int = 0,
+    rules: Mapping[str, Any] | None = None,
+):
+    """Inside jit: pin an activation to the batch sharding at `dim` (the `batch` rule's
+    mesh axes), every other dimension replicated; unchanged without a mesh or when those
+    axes do not divide its batch (a small micro-batch).
+
+    What FSDP needs at a layer boundary: with the activations' rows split over the fsdp
+    devices, XLA all-gathers each layer's weights (sharded over `embed`) for its matmuls
+    and reduce-scatters their gradients, instead of splitting the matmuls along the hidden
+    dimension and all-reducing [B, T, mlp] partial sums (docs/scaling.md)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    rules = resolve_rules(_ACTIVE_RULES.get() if rules is None else rules)
+    axes = tuple(a for a in (rules["batch"] or ()) if mesh.shape[a] > 1)
+    if not axes or np.shape(x)[dim] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    spec = [None] * np.ndim(x)
+    spec[dim] = axes[0] if len(axes) == 1 else axes
+    return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def constrain_params(tree, rules: Mapping[str, Any] | None = None):
+    """Inside jit: pin a params-shaped tree (gradients, an accumulator; nnx Variables with
+    logical axes) to the params' rule shardings; unchanged without a mesh. Gradients
+    pinned so are reduce-scattered onto each device's shard, not all-reduced whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tree
+    rules = _ACTIVE_RULES.get() if rules is None else rules
+    specs = nnx.get_partition_spec(tree)
+    return jax.tree.map(
+        lambda x, names: jax.lax.with_sharding_constraint(
+            x, logical_to_mesh(tuple(names), rules)) if names else x,
+        tree, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 # --------------------------------------------------------------------------- weight sync

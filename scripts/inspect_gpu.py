@@ -15,6 +15,12 @@ per iteration (and how many run inside a CUDA-graph command buffer), and XLA's m
 device, and a time per iteration estimated per kernel (jaxspec.gpu_targets.estimate: the
 larger of FLOPs over the peak and bytes over the bandwidth, plus a launch cost), with a
 profile's measured times beside it (--profile). Each program's optimized HLO goes to --hlo-dir.
+
+Communication (jaxspec.gpu_targets.collectives), a table per program that has any: every
+collective of the optimized HLO by kind and mesh axis, its bytes and executions per run,
+its time at the target's link bandwidth (ring algorithm), how much of it XLA's schedule
+leaves exposed (not overlapped with compute), and beside it the model-FLOPs time; in
+--json as each report's "communication".
 """
 
 from __future__ import annotations
@@ -105,6 +111,41 @@ def _row(r: dict) -> str:
             f"{mem:>8.2f} {r['estimate']['time_ms']:>8.3f}  ({r['compile_s']:.0f} s){extra}")
 
 
+def communication(report: dict, hlo_text: str, mesh, target) -> dict:
+    """The program's collectives summarised (jaxspec.gpu_targets.collectives.summarize)
+    on `mesh` at `target`'s link bandwidth, beside its model-FLOPs time when it has one."""
+    from jaxspec.gpu_targets import collectives, hlo
+
+    found = collectives.collectives(hlo.parse(hlo_text), dict(mesh.shape), target.link_bandwidth)
+    flops_s = report["flops_time_ms"] / 1e3 if "flops_time_ms" in report else None
+    out = collectives.summarize(found, flops_s)
+    out.update(link=target.link, link_bandwidth=target.link_bandwidth)
+    return out
+
+
+def _comm_table(r: dict) -> list[str]:
+    c = r["communication"]
+    head = (f"communication in {r['program']} ({r['devices']} x {r['target']}, {c['link']} "
+            f"{c['link_bandwidth'] / 1e9:.0f} GB/s per direction): {c['executions']:,} "
+            f"collectives, {c['bytes'] / 1e9:,.1f} GB, {c['seconds']:.2f} s "
+            f"({c['exposed_seconds']:.2f} s not overlapped)")
+    if "flops_seconds" in c:
+        head += (f"; model-FLOPs {c['flops_seconds']:.2f} s: ratio {c['ratio_to_flops']:.3f} "
+                 f"(exposed {c['exposed_ratio_to_flops']:.3f})")
+    lines = [head, f"  {'kind':<19} {'axes':<12} {'instrs':>6} {'runs':>8} {'GB':>10} "
+                   f"{'s':>8} {'exposed s':>9}"]
+    for k in c["by_kind"]:
+        lines.append(f"  {k['kind']:<19} {k['axes'] or '-':<12} {k['instructions']:>6} "
+                     f"{k['executions']:>8,} {k['bytes'] / 1e9:>10,.1f} {k['seconds']:>8.3f} "
+                     f"{k['exposed_seconds']:>9.3f}")
+    for x in c["largest"][:6]:
+        lines.append(f"  largest: {x['kind']} {x['bytes'] / 1e6:,.1f} MB x{x['count']} over "
+                     f"{x['axes'] or '-'} (n={x['group_size']}) {x['total_seconds']:.3f} s"
+                     f"{' overlapped' if x['overlapped'] else ''} from "
+                     f"{x['op_name'][-70:] or '?'}")
+    return lines
+
+
 def _measured(path, program: str, batch):
     """The profile's kernels of `program` at `batch` (None: no --profile, or not profiled)."""
     from jaxspec.gpu_targets import estimate
@@ -180,7 +221,13 @@ def main(argv=None) -> int:
                      "Pallas kernel instead: add the override model.attention_backend=auto")
     prompt_len = min(args.prompt_len or cfg.rollout.max_prompt_len, args.context)
 
+    import tempfile
+
     from jaxspec.gpu_targets.inspect import build_program, inspect_program
+
+    scratch = tempfile.TemporaryDirectory()
+    hlo_dir = args.hlo_dir or scratch.name  # the collectives are read back from the HLO
+    gpu = gpu_targets.target(args.target)
 
     print(f"{gpu_targets.target(args.target).description}: {args.config}, {model.num_layers} "
           f"layers, {model.dtype}, layer_loop={model.layer_loop}, context {args.context}",
@@ -195,10 +242,13 @@ def main(argv=None) -> int:
                                                   "expert": args.expert, "tensor": 1})
             program = build_program(name, model, batch=0, context=args.context, mesh=mesh,
                                     run=run_settings(cfg))
-            report = inspect_program(program, args.target, mesh, hlo_dir=args.hlo_dir,
-                                     tag=f"{name}_{args.target}_x{args.devices}", xla_options=xla,
+            tag = f"{name}_{args.target}_x{args.devices}"
+            report = inspect_program(program, args.target, mesh, hlo_dir=hlo_dir, tag=tag,
+                                     xla_options=xla,
                                      measured=_measured(args.profile, name, None))
             report["batch"] = run_settings(cfg)["batch"]
+            report["communication"] = communication(
+                report, open(os.path.join(hlo_dir, f"{tag}.hlo.txt")).read(), mesh, gpu)
             reports.append(report)
             print(_row(report), flush=True)
             continue
@@ -206,10 +256,12 @@ def main(argv=None) -> int:
             program = build_program(name, model, batch=batch, context=args.context, mesh=one,
                                     prompt_len=prompt_len,
                                     draft_vocab=cfg.draft.draft_vocab_size or 32_000)
-            report = inspect_program(program, args.target, one, hlo_dir=args.hlo_dir,
-                                     tag=f"{name}_b{batch}_{args.target}_{model.layer_loop}",
+            tag = f"{name}_b{batch}_{args.target}_{model.layer_loop}"
+            report = inspect_program(program, args.target, one, hlo_dir=hlo_dir, tag=tag,
                                      xla_options=xla,
                                      measured=_measured(args.profile, name, batch))
+            report["communication"] = communication(
+                report, open(os.path.join(hlo_dir, f"{tag}.hlo.txt")).read(), one, gpu)
             report.update(batch=batch, context=args.context, layer_loop=model.layer_loop,
                           config=args.config)
             reports.append(report)
@@ -218,6 +270,10 @@ def main(argv=None) -> int:
         for c in r["copies_over_1mb"]:
             print(f"  copy in {r['program']} (batch {r.get('batch')}): {c['bytes'] / 1e6:.1f} MB "
                   f"x{c['count']} {c['kind']} from {c['op_name'] or '?'}")
+    for r in reports:
+        if r["communication"]["instructions"]:
+            print("\n".join(_comm_table(r)))
+    scratch.cleanup()
     for r in reports:
         if "measured" in r:
             print("\n".join(_measured_lines(r)))

@@ -41,6 +41,9 @@ class GpuTarget:
         hbm_bytes: device memory (bytes), as in the config.
         hbm_bandwidth: bytes per second, as in the config.
         bf16_flops: dense bf16 tensor-core peak (FLOP/s), NVIDIA's published figure.
+        link_bandwidth: GPU-to-GPU bytes per second per direction (NVLink), what the
+            inspector's collective times use (`jaxspec.gpu_targets.collectives`).
+        link: the interconnect's name.
     """
 
     name: str
@@ -49,6 +52,8 @@ class GpuTarget:
     hbm_bytes: int
     hbm_bandwidth: float
     bf16_flops: float
+    link_bandwidth: float = 450e9
+    link: str = "NVLink 4"
 
     @property
     def config_text(self) -> str:
@@ -70,13 +75,17 @@ F32_DOT_FLOPS = {"h100": 494.7e12, "h200": 494.7e12, "gb200": 1.25e15}
 
 # Dense bf16 peaks: H100/H200 SXM 989 TFLOP/s; GB200 2.5 PFLOP/s per GPU (NVL72: 180 PF
 # dense bf16 over 72 GPUs). Memory and bandwidth match the config files (tested).
+# Links, per GPU and direction (half NVIDIA's bidirectional figures): H100 / H200 SXM
+# NVLink 4, 900 GB/s total (18 links x 50 GB/s) -> 450 GB/s; GB200 NVLink 5, 1.8 TB/s
+# -> 900 GB/s, inside one NVL72 domain (up to 72 GPUs). NCCL's measured bus bandwidth is
+# below these (all-reduce ~360-480 GB/s on H100 SXM): the times are lower bounds.
 TARGETS = {
     "h100": GpuTarget("h100", "NVIDIA H100 SXM5 80GB", "h100.txtpb", 85_520_809_984, 3.35e12,
-                      989e12),
+                      989e12, 450e9, "NVLink 4"),
     "h200": GpuTarget("h200", "NVIDIA H200 SXM 141GB", "h200.txtpb", 150_754_820_096, 4.8e12,
-                      989e12),
+                      989e12, 450e9, "NVLink 4"),
     "gb200": GpuTarget("gb200", "NVIDIA GB200 (one Blackwell GPU)", "gb200.txtpb",
-                       186_000_000_000, 8.0e12, 2.5e15),
+                       186_000_000_000, 8.0e12, 2.5e15, 900e9, "NVLink 5"),
 }
 
 

@@ -90,13 +90,21 @@ class Transformer(nnx.Module):
         capture: tuple[int, ...] = (),
         head: bool = True,
         layer_params: tuple | None = None,  # per-layer params (Policy.unstack_layers): unrolled
+        shard_rows: bool = False,
     ):
         """Returns (logits [B,T,V] f32, captured [C,B,T,H], k_new [L,B,T,kvh,d], v_new,
         k_cache, v_cache, routing); routing is None for a dense model, else {"router_logits":
         [L,B,T,E] f32, "experts": [L,B,T,K] int32} (jaxspec.models.moe); head=False returns the final-normed hidden states [B,T,H] in place
         of the logits. The caches come back unchanged in value; write into these (the unrolled
-        layers pass them on through each attention, so XLA keeps one buffer)."""
-        x = self.embed(tokens)
+        layers pass them on through each attention, so XLA keeps one buffer).
+
+        shard_rows=True (the training and scoring forwards) pins the activations to the
+        batch sharding at every layer boundary (`parallel.constrain_rows`), so that under
+        FSDP XLA gathers each layer's weights rather than splitting its matmuls."""
+        from jaxspec.parallel import constrain_rows  # (jaxspec.parallel imports this module)
+
+        pin = constrain_rows if shard_rows else (lambda x, dim=0: x)
+        x = pin(self.embed(tokens))
         if self.config.batch_invariant:  # float32 activations (see jaxspec.kernels.invariant)
             x = x.astype(jnp.float32)
         unstacked = layer_params
@@ -114,6 +122,7 @@ class Transformer(nnx.Module):
             layer's attention passed them on (thread=True; see kernels.blocked); routing the
             MoE layer's (router logits, experts), or None."""
             layer = nnx.merge(layer_def, params)
+            x, captured = pin(x), pin(captured, 1)
             # The stacked cache and the layer index, unsliced: the attention reads only the
             # blocks it needs (a sliced layer would be copied whole every step).
             out = layer(x, positions, CacheLayer(k_stack, index), CacheLayer(v_stack, index),
@@ -151,7 +160,7 @@ class Transformer(nnx.Module):
             )
         if routed:
             routing = {"router_logits": routing[0], "experts": routing[1]}
-        x = self.norm(x)
+        x = self.norm(pin(x))
         return (self.logits(x) if head else x), captured, k_new, v_new, k_cache, v_cache, routing
 
 
@@ -176,7 +185,7 @@ def _forward(policy, tokens, positions, cache, mask, capture, head=True, routing
         valid, mask = new_token_mask(positions, mask)
     logits, captured, k_new, v_new, k_cache, v_cache, route = model(
         tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture, head,
-        layer_params=policy.layer_params,
+        layer_params=policy.layer_params, shard_rows=cache is None,
     )
     captured = {layer: captured[i] for i, layer in enumerate(capture)}
     extra = (route,) if routing else ()

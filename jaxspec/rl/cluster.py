@@ -3,6 +3,7 @@ async mode, the same devices otherwise), placement on them, and the weight sync 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -92,9 +93,13 @@ class Cluster:
                                       micro_batch=cfg.grpo.micro_batch))
 
     # ------------------------------------------------------------------ training side
+    @contextlib.contextmanager
     def training(self):
-        """Context in which jitted training updates run (`with cluster.training(): ...`)."""
-        return jax.set_mesh(self.train_mesh)
+        """Context in which jitted training updates run (`with cluster.training(): ...`):
+        the training mesh, and the run's rules for the activations' constraints
+        (`parallel.use_rules`)."""
+        with jax.set_mesh(self.train_mesh), parallel.use_rules(self.rules):
+            yield
 
     def place_policy(self, policy):
         """A Policy (or draft model) on its rule shardings over the training devices."""

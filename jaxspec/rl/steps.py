@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxspec import parallel
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.models import Policy
 from jaxspec.models.moe import load_balancing_loss, router_z_loss, routing_mismatch
@@ -226,7 +227,7 @@ def policy_update(
     def grad_fn(params, mb):
         if not micro:
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-            return grads, metrics
+            return parallel.constrain_params(grads), metrics
         if grpo_cfg.loss_agg == "token":
             denominator = jnp.sum(mb["mask"])
         else:
@@ -235,7 +236,7 @@ def policy_update(
         def part_grad(part):
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 params, part, denominator)
-            return grads, metrics
+            return parallel.constrain_params(grads), metrics
 
         grads, metrics = chunked.accumulate_gradients(part_grad, params,
                                                       chunked.split_rows(mb, micro))
