@@ -26,6 +26,10 @@ of `batch` prompts each (the next prompts every call): a batch-1 row over N roll
 are the plain rollout's own tokens, the one at depth j corrupted with probability 1 - A_j
 (A: one rate for every depth, or a comma list per depth). It measures the engine, not the
 draft: efficiency = speedup / bound, with tau the measured tokens per policy forward.
+`--oracle-reference verify` (the default) takes the drafts from what the verify forward
+itself emits (`jaxspec.decoding.oracle.verify_reference`, one untimed run per k), so that in
+bf16 on a GPU, where a (k+1)-token verify rounds differently from a decode step, tau is
+k + 1 at 1.0; `plain` replays the plain rollout (tau below k + 1 where rounding flips a pick).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from jaxspec.decoding.drafters import DraftModelDrafter, Eagle3Drafter, MTPDraft
 from jaxspec.decoding.protocols import DraftContext, Observation
 from jaxspec.decoding.verify import replay_noise
 from jaxspec.decoding.engine import decoding_policy, generate, pad_prompts
-from jaxspec.decoding.oracle import oracle_drafter
+from jaxspec.decoding.oracle import oracle_drafter, verify_reference
 from jaxspec.models import Policy, load_hf
 from jaxspec.models.block_formats import load_dflash
 from jaxspec.models.eagle3 import Eagle3Head, load_eagle3
@@ -78,6 +82,9 @@ def _parse(argv=None):
                    "the verifier's noise)")
     p.add_argument("--oracle", help="oracle drafter instead of --drafters: an acceptance rate for "
                    "every depth, or a comma list of per-depth rates")
+    p.add_argument("--oracle-reference", choices=("verify", "plain"), default="verify",
+                   help="the oracle's drafts: what the verify forward emits (tau = k + 1 at 1.0 "
+                        "in bf16) or the plain rollout's tokens")
     p.add_argument("--ks", default="1,3,5", help="draft lengths to sweep")
     p.add_argument("--batches", default=None, help="comma list of batch sizes (default: --num-prompts)")
     p.add_argument("--tree", default="4,3,8", help="top_k,depth,budget for eagle3_tree")
@@ -352,8 +359,11 @@ def main(argv=None) -> int:
                     continue
                 if name == "oracle":
                     acc = oracle * k if len(oracle) == 1 else oracle[:k]
-                    ds = [oracle_drafter(*g, p.tokens, acc, vocab_size=vocab, seed=args.seed)
-                          for g, p in zip(groups, plains)]
+                    refs = ([p.tokens for p in plains] if args.oracle_reference == "plain" else
+                            [verify_reference(policy, g, k, **common, method=plain_method).tokens
+                             for g in groups])
+                    ds = [oracle_drafter(*g, r, acc, vocab_size=vocab, seed=args.seed)
+                          for g, r in zip(groups, refs)]
                 else:
                     ds = [_drafter(name, k, args, policy, block or head, small)] * len(groups)
                 drafter = ds[0]
@@ -382,6 +392,7 @@ def main(argv=None) -> int:
                     drafter=name if block is None else f"{name}{block.config.block_size}",
                     k=k if k is not None else args.tree, batch=batch, calls=args.calls,
                     acceptance=(acc if name == "oracle" else None),
+                    oracle_reference=(args.oracle_reference if name == "oracle" else None),
                     tau=tau, acceptance_length=tau,
                     per_position_acceptance=[round(x, 4) for x in total.per_position_acceptance.tolist()],
                     target_forwards=int(total.target_forwards),

@@ -7,6 +7,16 @@ replaced by a wrong token with probability 1 - acceptance[j-1]. The corruption i
 deterministic noise keyed by (seed, rollout id, position, depth), so repeated runs agree. A wrong
 draft is rejected, and everything after it with it, so acceptance[j-1] is the acceptance
 rate at depth j given depth j-1 accepted. Model-free: `forwards_per_*` are 0.
+
+In bf16 on a GPU a verify forward of k + 1 tokens rounds differently from the 1-token
+decode step the plain rollout ran, so "perfect" drafts replayed from plain decoding are
+rejected where a near-tie flips (tau 2.0 instead of 4 at k = 3 on an H200). `verify_reference`
+makes the reference what the verify forward itself emits: one untimed speculative run with
+`VerifyWindowDrafter`, which drafts each depth by running the policy over the same (k+1)-token
+window the verify will run, at the same positions over the same cache, and picks with the
+verifier's own noise. An OracleDrafter over that run's tokens then feeds the engine the very
+inputs of that run's verify forwards, so at acceptance 1.0 every draft is accepted, in bf16
+and the default forward: tau = k + 1, and the benchmark measures the engine, not rounding.
 """
 
 from __future__ import annotations
@@ -17,11 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decoding.draws import choose_draft
 from jaxspec.decoding.drafters import ModelFreeDrafter
-from jaxspec.decoding.protocols import DraftContext
+from jaxspec.decoding.protocols import DraftContext, Observation, kv_cache_axes
 from jaxspec.decoding.tree import Tree
 
-__all__ = ["OracleDrafter", "oracle_drafter"]
+__all__ = ["OracleDrafter", "VerifyWindowDrafter", "oracle_drafter", "verify_reference"]
 
 
 @jax.tree_util.register_dataclass
@@ -110,3 +121,67 @@ def oracle_drafter(
         ref[i, :lengths[i]] = prompts[i, :lengths[i]]
         ref[i, lengths[i]:lengths[i] + n] = completions[i]
     return OracleDrafter(jnp.asarray(ref), tuple(acceptance), vocab_size=vocab_size, seed=seed)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyWindowDrafter:
+    """Drafts the tokens the policy's verify forward will emit (for `verify_reference`).
+
+    Keeps a copy of the policy's KV cache, filled by the forwards the policy commits (the
+    prompt's, then each verify's window: `observe`). Depth i's draft comes from a forward of
+    the policy over the verify's window [root, d_1..d_i, pad..] (k + 1 tokens, at the verify's
+    positions, over that cache): the verify computes position i from the same inputs in the
+    same shape, so picking with the verifier's noise gives the token it will emit. k + 1
+    forwards of the policy per step: a reference run, never a timed one."""
+
+    k: int = dataclasses.field(default=3, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"VerifyWindowDrafter.k must be an int >= 1; got {self.k!r}")
+
+    num_nodes = property(lambda self: self.k)
+    max_depth = property(lambda self: self.k)
+    uses_verifier_noise = True  # DraftContext.verifier_noise (method="replay")
+    capture_layers = ()
+    supports_rejection = False
+    forwards_per_propose = property(lambda self: self.k)
+    forwards_per_observe = 1
+
+    def check_compatible(self, policy) -> None:
+        return None  # the policy drafts for itself
+
+    def init_state(self, policy, batch, max_len):
+        return policy.init_cache(batch, max_len)
+
+    def state_axes(self, policy):
+        return kv_cache_axes()  # the policy's KV cache, copied
+
+    def observe(self, cache, policy, obs: Observation):
+        _, _, cache = policy.forward(obs.fed_tokens, obs.positions, cache)
+        return cache
+
+    def propose(self, cache, policy, ctx: DraftContext):
+        batch = ctx.lengths.shape[0]
+        window = jnp.zeros((batch, self.k + 1), jnp.int32).at[:, 0].set(ctx.root)
+        positions = (ctx.lengths - 1)[:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)[None]
+        for i in range(self.k):  # the window's cache writes are dropped: observe commits them
+            logits, _, _ = policy.forward(window, positions, cache)
+            token, _ = choose_draft(logits[:, i], ctx, i, coupled=True)
+            window = window.at[:, i + 1].set(token)
+        return Tree.chain(window[:, 1:]), None, cache
+
+
+def verify_reference(policy, prompts, k: int, **generate_kwargs):
+    """The rollouts a speculative run of chain length `k` emits when every draft is what its
+    verify forward emits (`VerifyWindowDrafter`): build the OracleDrafter of a benchmark from
+    their tokens (`oracle_drafter(..., completions=verify_reference(...).tokens, ...)`) and
+    call `generate` with the same prompts, key, sampling and k. Lossless under replay, as
+    every run of the engine: in exact arithmetic these are the plain rollouts."""
+    from jaxspec.decoding.engine import generate
+
+    if generate_kwargs.get("method", "replay") != "replay":
+        raise ValueError(f"verify_reference needs method='replay' (the verifier's noise); "
+                         f"got {generate_kwargs['method']!r}")
+    return generate(policy, prompts, drafter=VerifyWindowDrafter(k), **generate_kwargs)

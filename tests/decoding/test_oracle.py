@@ -1,6 +1,9 @@
 """The oracle drafter: drafts are the plain rollout's own tokens, cut at a chosen rate."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -163,3 +166,63 @@ def test_bench_rollout_overrides_and_memory_bound(tmp_path):
     assert bench.decode_bytes(tied, 2, 10.5) == (weights, int(kv_bytes))
     with pytest.raises(SystemExit, match="--set"):
         bench.main(["--policy", str(tmp_path), "--set", "model.num_layers=2"])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _ShapeRounding(Policy):
+    """A bf16 policy whose logits depend on how many tokens a forward is fed, as a GPU's
+    matmuls round a 4-token verify differently from a 1-token decode (XLA:CPU does not:
+    there the plain reference already replays perfectly, so this stands in for the GPU)."""
+
+    def forward(self, tokens, positions, cache=None, **kwargs):
+        logits, hidden, cache = super().forward(tokens, positions, cache, **kwargs)
+        wobble = 0.5 * jnp.sin(1.7 * tokens.shape[1] * jnp.arange(logits.shape[-1]))
+        return logits + wobble.astype(logits.dtype), hidden, cache
+
+
+@pytest.fixture(scope="module")
+def bf16_setup():
+    cfg = ModelConfig.tiny("qwen3", num_layers=2).replace(dtype="bfloat16")
+    base = Policy.init(cfg, jax.random.key(0))
+    policy = _ShapeRounding(base.config, base.graphdef, base.params, base.layer_params)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(3, cfg.vocab_size, size=n)) for n in (4, 6, 3, 5)]
+    tokens, lengths = pad_prompts(prompts)
+    common = dict(sampling=SamplingConfig(temperature=1.0), max_new_tokens=N,
+                  key=jax.random.key(5))
+    return policy, tokens, lengths, common
+
+
+def test_verify_reference_oracle_accepts_every_draft_in_bf16(bf16_setup, k=3):
+    """Drafts taken from what the verify forward emits: at acceptance 1.0 every row emits
+    k + 1 tokens a forward (but its last), where drafts replayed from plain decoding are
+    rejected (the negative control: shape-dependent rounding)."""
+    from jaxspec.decoding.oracle import verify_reference
+
+    policy, tokens, lengths, common = bf16_setup
+    vocab = policy.config.vocab_size
+    plain = generate(policy, (tokens, lengths), **common)
+    stale = generate(policy, (tokens, lengths), **common, drafter=oracle_drafter(
+        tokens, lengths, plain.tokens, [1.0] * k, vocab_size=vocab))
+    assert stale.stats.acceptance_length < k + 1  # rounding, not the drafts, decides
+
+    reference = verify_reference(policy, (tokens, lengths), k, **common)
+    spec = generate(policy, (tokens, lengths), **common, drafter=oracle_drafter(
+        tokens, lengths, reference.tokens, [1.0] * k, vocab_size=vocab))
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(reference.tokens))
+    n = np.asarray(spec.lengths)
+    assert np.all(n == N)
+    np.testing.assert_array_equal(np.asarray(spec.stats.row_steps), -(-n // (k + 1)))
+    assert N % (k + 1) == 0 and spec.stats.acceptance_length == k + 1  # tau = k + 1 exactly
+    assert reference.stats.acceptance_length == k + 1
+
+
+def test_verify_reference_needs_replay(bf16_setup):
+    from jaxspec.decoding.oracle import VerifyWindowDrafter, verify_reference
+
+    policy, tokens, lengths, common = bf16_setup
+    with pytest.raises(ValueError, match="method='replay'"):
+        verify_reference(policy, (tokens, lengths), 3, method="rejection", **common)
+    with pytest.raises(ValueError, match="k must be an int >= 1; got 0"):
+        VerifyWindowDrafter(0)
