@@ -1,4 +1,5 @@
-"""Policy transformer (Qwen3 / Llama-3 / Qwen3-MoE) as Flax NNX modules, KV cache, HF interop."""
+"""Policy transformer (Qwen3 / Llama-3 / Qwen3-MoE; hybrid Qwen3.5 / Qwen3-Next) as Flax NNX
+modules, KV cache, HF interop."""
 
 from jaxspec.models.cache import CacheOverflowError, KVCache, compact
 from jaxspec.models.config import (
@@ -15,11 +16,14 @@ from jaxspec.models.hf import (
     save_hf,
     special_tokens,
 )
+from jaxspec.models.hybrid import HybridCache, HybridPolicy
 from jaxspec.models.transformer import Policy, Transformer
 
 __all__ = [
     "CacheOverflowError",
     "HFCheckpointError",
+    "HybridCache",
+    "HybridPolicy",
     "KVCache",
     "Llama3RopeScaling",
     "ModelConfig",

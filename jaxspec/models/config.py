@@ -14,7 +14,11 @@ from jaxspec.kernels import BACKENDS
 from jaxspec.kernels.flash import IMPLEMENTATIONS as TRAIN_ATTENTIONS
 from jaxspec.errors import FieldError
 
-FAMILIES = ("qwen3", "llama", "qwen3_moe")
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_next")
+# Hybrid families: Gated DeltaNet (linear attention) layers between gated full-attention ones
+# (jaxspec.models.hybrid); qwen3_next may add experts (as qwen3_moe does).
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next")
+LAYER_TYPES = ("linear_attention", "full_attention")
 EXPERT_BACKENDS = ("ragged", "blocked", "dense")
 DTYPES = ("float32", "bfloat16")
 LAYER_LOOPS = ("auto", "scan", "unroll")
@@ -91,6 +95,19 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
     expert_backend: str = "blocked"
+    # Hybrid families (qwen3_5, qwen3_next; jaxspec.models.hybrid), HF's names: layer i is a
+    # Gated DeltaNet ("linear_attention") or a gated full attention ("full_attention") per
+    # layer_types; a linear layer has linear_num_key_heads query/key heads of width
+    # linear_key_head_dim, linear_num_value_heads value heads of width linear_value_head_dim and
+    # a causal convolution of linear_conv_kernel_dim taps; full attention rotates the first
+    # partial_rotary_factor of each head's dims. Empty / 0 / 1.0 for the other families.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         for name, choices in (("family", FAMILIES), ("dtype", DTYPES),
@@ -140,11 +157,69 @@ class ModelConfig:
                              "an even int", message=f"ModelConfig.head_dim={self.head_dim} must "
                              "be even for RoPE")
         self._check_experts()
+        self._check_hybrid()
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise FieldError("ModelConfig", "rope_scaling", self.rope_scaling, "wrong type",
                              "None or Llama3RopeScaling",
                              message=f"ModelConfig.rope_scaling={self.rope_scaling!r}; valid: "
                              "None or Llama3RopeScaling")
+
+    def _check_hybrid(self):
+        if isinstance(self.layer_types, list):  # hashable: the config is a static jit argument
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        linear = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim")
+
+        def bad(name, value, valid, problem="is out of range"):
+            raise FieldError("ModelConfig", name, value, problem, valid,
+                             message=f"ModelConfig.{name}={value!r} {problem}; valid: {valid}")
+
+        if not self.is_hybrid:
+            if self.layer_types:
+                bad("layer_types", self.layer_types, f"() for family {self.family!r} (layer "
+                    f"types need a hybrid family: {', '.join(HYBRID_FAMILIES)})", "needs a hybrid family")
+            for name in linear:
+                if getattr(self, name):
+                    bad(name, getattr(self, name), f"0 for family {self.family!r}",
+                        "needs a hybrid family")
+            if self.partial_rotary_factor != 1.0:
+                bad("partial_rotary_factor", self.partial_rotary_factor,
+                    f"1.0 for family {self.family!r}", "needs a hybrid family")
+            return
+        if (len(self.layer_types) != self.num_layers
+                or any(t not in LAYER_TYPES for t in self.layer_types)):
+            bad("layer_types", self.layer_types, f"{self.num_layers} entries (num_layers), each "
+                + " or ".join(repr(t) for t in LAYER_TYPES))
+        for name in linear:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(name, value, f"an int >= 1 for family {self.family!r}")
+        if self.linear_conv_kernel_dim < 2:
+            bad("linear_conv_kernel_dim", self.linear_conv_kernel_dim, "an int >= 2")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            bad("linear_num_value_heads", self.linear_num_value_heads,
+                f"a multiple of linear_num_key_heads={self.linear_num_key_heads}")
+        factor = self.partial_rotary_factor
+        if (not isinstance(factor, (int, float)) or not 0 < factor <= 1
+                or int(self.head_dim * factor) % 2 or int(self.head_dim * factor) < 2):
+            bad("partial_rotary_factor", factor, f"a number in (0, 1] whose share of head_dim="
+                f"{self.head_dim} is an even int >= 2")
+        if self.batch_invariant:
+            bad("batch_invariant", True, f"false for family {self.family!r} (the batch-"
+                "invariant forward covers the dense and MoE families only)", "is not supported")
+        if self.rope_scaling is not None:
+            bad("rope_scaling", self.rope_scaling, f"None for family {self.family!r}",
+                "is not supported")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the layers mix Gated DeltaNet and full attention (jaxspec.models.hybrid)."""
+        return self.family in HYBRID_FAMILIES
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each attention head that RoPE rotates (all but for hybrids)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def _check_experts(self):
         if isinstance(self.mlp_only_layers, list):  # hashable: the config is a static jit argument
@@ -166,7 +241,9 @@ class ModelConfig:
         layers = tuple(self.mlp_only_layers)
         if any(not isinstance(i, int) or not 0 <= i < self.num_layers for i in layers):
             bad("mlp_only_layers", layers, f"layer indices in [0, {self.num_layers})")
-        if self.family != "qwen3_moe":
+        if self.family == "qwen3_next" and not self.num_experts:
+            return  # a dense Qwen3-Next
+        if self.family not in ("qwen3_moe", "qwen3_next"):
             if self.num_experts:
                 bad("num_experts", self.num_experts, f"0 for family {self.family!r} (experts "
                     "need family 'qwen3_moe')", "needs family 'qwen3_moe'")
@@ -183,7 +260,7 @@ class ModelConfig:
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
         """Per layer: whether its MLP is the mixture of experts (HF Qwen3MoeDecoderLayer's rule)."""
-        if self.family != "qwen3_moe":
+        if self.family not in ("qwen3_moe", "qwen3_next") or not self.num_experts:
             return (False,) * self.num_layers
         skip = set(self.mlp_only_layers)
         return tuple(i not in skip and (i + 1) % self.decoder_sparse_step == 0
@@ -249,6 +326,20 @@ class ModelConfig:
                 family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                 moe_intermediate_size=32, norm_topk_prob=True,
             )
+        elif family in HYBRID_FAMILIES:
+            # 4 layers, 3 Gated DeltaNet then 1 gated full attention (the released models'
+            # pattern); qwen3_next adds qwen3_moe's experts and a gated shared expert.
+            base = dict(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
+                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                qk_norm=True, tie_embeddings=False, max_position_embeddings=512, family=family,
+                layer_types=("linear_attention",) * 3 + ("full_attention",),
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+            )
+            if family == "qwen3_next":
+                base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            norm_topk_prob=True, shared_expert_intermediate_size=32)
         else:
             raise ValueError(f"ModelConfig.tiny(family={family!r}); valid: {FAMILIES}")
         base.update(overrides)

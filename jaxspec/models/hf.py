@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxspec.models.config import DTYPES, Llama3RopeScaling, ModelConfig
+from jaxspec.models.config import DTYPES, HYBRID_FAMILIES, Llama3RopeScaling, ModelConfig
 from jaxspec.models.transformer import Policy, param_path
 
 
@@ -33,8 +33,11 @@ class HFCheckpointError(ValueError):
 
 
 _ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-                  "Qwen3MoeForCausalLM": "qwen3_moe"}
-_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe"}
+                  "Qwen3MoeForCausalLM": "qwen3_moe",
+                  # the hybrid families: config and tensor table in jaxspec.models.hybrid_hf
+                  "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3NextForCausalLM": "qwen3_next"}
+_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe",
+                "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}
 _FAMILY_ARCH = {v: k for k, v in _ARCHITECTURES.items()}
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 # Non-persistent buffers some older checkpoints carry; never parameters.
@@ -58,6 +61,11 @@ def config_from_hf(
             f"unsupported architecture {archs or None} (model_type={model_type!r}); "
             f"supported: {sorted(_ARCHITECTURES)}"
         )
+    if family in HYBRID_FAMILIES:
+        from jaxspec.models import hybrid_hf
+
+        return hybrid_hf.config_from_hf(hf, family, dtype=dtype,
+                                        attention_backend=attention_backend)
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (need 'silu')")
@@ -165,7 +173,11 @@ def _positive_int(hf: dict, key: str, *, default: int | None = None) -> int:
 
 def config_to_hf(config: ModelConfig) -> dict:
     """config.json for Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM (read by
-    transformers 4.51+ and 5)."""
+    transformers 4.51+ and 5; the hybrid families': jaxspec.models.hybrid_hf)."""
+    if config.is_hybrid:
+        from jaxspec.models import hybrid_hf
+
+        return hybrid_hf.config_to_hf(config)
     rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
     legacy_scaling = None
     if config.rope_scaling is not None:
@@ -317,7 +329,11 @@ _WEIGHTS = (
 
 def _expected(config: ModelConfig) -> dict[str, tuple[_Weight, tuple[int, ...]]]:
     """HF tensor name -> (table entry, its index in our stacked param: (layer,), (layer,
-    expert) or ()) for this config."""
+    expert) or ()) for this config (a hybrid's: (index in its layer kind's stack,))."""
+    if config.is_hybrid:
+        from jaxspec.models import hybrid_hf
+
+        return hybrid_hf.expected(config)
     out = {}
     for w in _WEIGHTS:
         if not w.when(config):
@@ -337,6 +353,8 @@ def _expected(config: ModelConfig) -> dict[str, tuple[_Weight, tuple[int, ...]]]
 def _optional(name: str, config: ModelConfig) -> bool:
     """Tensors a checkpoint may carry that we do not need."""
     if name.endswith(_IGNORED_SUFFIXES):
+        return True
+    if config.is_hybrid and name.startswith("mtp."):  # the MTP head's, not the policy's
         return True
     return config.tie_embeddings and name == "lm_head.weight"  # a tied head saved anyway
 
@@ -463,7 +481,8 @@ def load_hf(
     attention_backend: str = "reference",
     shardings=None,
 ) -> Policy:
-    """Load a local HF Qwen3 / Llama-3 / Qwen3-MoE checkpoint directory into a Policy.
+    """Load a local HF Qwen3 / Llama-3 / Qwen3-MoE checkpoint directory into a Policy (a
+    Qwen3.5 / Qwen3-Next one into a `jaxspec.models.hybrid.HybridPolicy`).
 
     dtype: "float32" | "bfloat16" | None (the checkpoint's dtype if one of those, else
     float32). shardings: None, one `jax.sharding.Sharding` for every param, or a pytree
@@ -477,7 +496,12 @@ def load_hf(
     # Read each file once, convert into our layout and dtype, straight into the stacked
     # arrays (a model mixing dense and sparse layers keeps zeros where a layer has none).
     np_dtype = _NP_DTYPES[config.dtype]
-    abstract = Policy.abstract(config)
+    if config.is_hybrid:
+        from jaxspec.models.hybrid import HybridPolicy
+
+        abstract = HybridPolicy.abstract(config)
+    else:
+        abstract = Policy.abstract(config)
     shapes = {param_path(kp): tuple(leaf.shape)
               for kp, leaf in jax.tree_util.tree_flatten_with_path(abstract.params)[0]}
     by_path: dict[tuple[str, ...], np.ndarray] = {}

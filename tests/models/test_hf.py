@@ -241,7 +241,8 @@ def test_missing_directory_or_files(tmp_path, ckpt):
 def test_unsupported_architecture(ckpt):
     _edit_config(ckpt, architectures=["MistralForCausalLM"], model_type="mistral")
     with pytest.raises(UnsupportedModelError, match=r"\['MistralForCausalLM'\].*supported: "
-                       r"\['LlamaForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
+                       r"\['LlamaForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', "
+                       r"'Qwen3NextForCausalLM', 'Qwen3_5ForCausalLM'\]"):
         load_hf(ckpt)
 
 

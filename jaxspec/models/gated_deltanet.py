@@ -1,0 +1,142 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 and Qwen3-Next (Yang, Kautz and
+Hatamizadeh, "Gated Delta Networks", 2024), in two forms that compute the same function:
+
+- `delta_rule_recurrent`: one token at a time, the form a decode step runs;
+- `delta_rule_chunked`: chunks of C tokens, each a few matrix products plus one triangular
+  solve, the state carried across chunks: the form prefill and training run.
+
+Per value head the state S [dk, dv] evolves, for a token with key k (L2-normed), value v,
+query q (L2-normed, times dk^-1/2), decay g <= 0 (log space) and rate beta in (0, 1), as
+
+    S' = exp(g) S;   S_new = S' + k (beta (v - S'^T k))^T;   out = S_new^T q.
+
+Within a chunk with cumulative log-decays c_i = g_1 + ... + g_i and start state S_0, the
+corrections u_i = beta_i (v_i - S'_i^T k_i) satisfy (I + A) U = beta V - (beta exp(c) K) S_0
+with A_ij = beta_i exp(c_i - c_j) k_i . k_j for j < i, so one unit-lower triangular solve
+gives them all; then out_i = exp(c_i) S_0^T q_i + sum_{j <= i} exp(c_i - c_j) (q_i . k_j) u_j
+and S_C = exp(c_C) S_0 + sum_j exp(c_C - c_j) k_j u_j^T. Everything runs in float32.
+
+`causal_conv` is the short depthwise causal convolution before the rule, with the state a
+decode carries: the last kernel-1 inputs of each row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["causal_conv", "delta_rule_chunked", "delta_rule_recurrent", "l2_normalize",
+           "CHUNK"]
+
+CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's default)
+
+
+def l2_normalize(x, eps: float = 1e-6):  # [..., d] -> [..., d] (FLA's l2norm: rsqrt(|x|^2 + eps))
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _expand_heads(q, k, num_v_heads):  # [B, T, Hk, dk] -> [B, T, Hv, dk]: a key head serves
+    # num_v_heads // Hk consecutive value heads
+    rep = num_v_heads // q.shape[2]
+    if rep == 1:
+        return q, k
+    return jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+
+
+def delta_rule_recurrent(
+    q,  # [B, T, Hk, dk] L2-normed and scaled
+    k,  # [B, T, Hk, dk] L2-normed
+    v,  # [B, T, Hv, dv]
+    g,  # [B, T, Hv] log decay (<= 0); 0 with beta 0 leaves the state as it was
+    beta,  # [B, T, Hv]
+    state,  # [B, Hv, dk, dv] float32
+):  # -> (out [B, T, Hv, dv] float32, state [B, Hv, dk, dv] float32)
+    """The gated delta rule token by token (a `lax.scan` over T)."""
+    q, k = _expand_heads(q, k, v.shape[2])
+    f32 = jnp.float32
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv], [B, Hv], [B, Hv]
+        s = s * jnp.exp(g_t)[..., None, None]
+        predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        correction = b_t[..., None] * (v_t - predicted)
+        s = s + k_t[..., :, None] * correction[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (q, k, v, g, beta))
+    state, out = jax.lax.scan(step, state.astype(f32), xs)
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def delta_rule_chunked(
+    q,  # [B, T, Hk, dk] L2-normed and scaled
+    k,  # [B, T, Hk, dk] L2-normed
+    v,  # [B, T, Hv, dv]
+    g,  # [B, T, Hv] log decay (<= 0)
+    beta,  # [B, T, Hv]
+    state,  # [B, Hv, dk, dv] float32
+    chunk: int = CHUNK,
+):  # -> (out [B, T, Hv, dv] float32, state [B, Hv, dk, dv] float32)
+    """The gated delta rule over chunks of `chunk` tokens (see the module docstring); T is
+    padded to whole chunks with tokens that leave the state unchanged (g = 0, beta = 0)."""
+    q, k = _expand_heads(q, k, v.shape[2])
+    f32 = jnp.float32
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    c = min(chunk, t)
+    pad = -t % c
+    n = (t + pad) // c
+
+    def chunks(a):  # [B, T, Hv, ...] -> [N, B, Hv, C, ...]
+        a = jnp.pad(a.astype(f32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape((b, n, c) + a.shape[2:])
+        return jnp.swapaxes(jnp.moveaxis(a, 1, 0), 2, 3)
+
+    q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))  # g, beta: [N, B, Hv, C]
+    cum = jnp.cumsum(g, axis=-1)  # [N, B, Hv, C]
+    lower = jnp.tril(jnp.ones((c, c), bool))  # j <= i
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)  # j < i
+    gap = cum[..., :, None] - cum[..., None, :]  # c_i - c_j
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, gap, 0.0)), 0.0)  # [N, B, Hv, C, C]
+    kk = jnp.einsum("...ik,...jk->...ij", k, k)
+    system = jnp.eye(c, dtype=f32) + jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(cum))[..., None] * k], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
+                                             unit_diagonal=True)
+    u_free, w = solved[..., :dv], solved[..., dv:]  # U = u_free - w S_0
+    qk = jnp.einsum("...ik,...jk->...ij", q, k) * decay
+    q_decayed = jnp.exp(cum)[..., None] * q
+    k_to_end = jnp.exp(cum[..., -1:] - cum)[..., None] * k
+    end_decay = jnp.exp(cum[..., -1])[..., None, None]  # [N, B, Hv, 1, 1]
+
+    def step(s, xs):
+        u_free, w, q_decayed, qk, k_to_end, end_decay = xs
+        u = u_free - w @ s  # [B, Hv, C, dv]
+        out = q_decayed @ s + qk @ u
+        s = end_decay * s + jnp.swapaxes(k_to_end, -1, -2) @ u
+        return s, out
+
+    state, out = jax.lax.scan(step, state.astype(f32),
+                              (u_free, w, q_decayed, qk, k_to_end, end_decay))
+    out = jnp.moveaxis(out, 0, 1)  # [B, N, Hv, C, dv]
+    out = jnp.swapaxes(out, 2, 3).reshape(b, n * c, h, dv)
+    return out[:, :t], state
+
+
+def causal_conv(
+    x,  # [B, T, C] each row's real inputs first (`counts[b]` of them), then padding
+    conv_state,  # [B, C, K-1] the row's previous K-1 inputs, oldest first
+    weight,  # [C, K] depthwise taps, the last one on the current input
+    counts,  # [B] int32: real inputs per row
+):  # -> (out [B, T, C] float32 before the activation, conv_state [B, C, K-1])
+    """Depthwise causal convolution over [previous inputs; x], and the state a later call
+    goes on from: the last K-1 real inputs (padding never enters it)."""
+    kernel = weight.shape[1]
+    t = x.shape[1]
+    window = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)
+    w = weight.astype(jnp.float32)
+    out = sum(window[:, j:j + t].astype(jnp.float32) * w[:, j] for j in range(kernel))
+    keep = counts[:, None] + jnp.arange(kernel - 1)[None, :]  # [B, K-1] into the window
+    new_state = jnp.take_along_axis(window, keep[:, :, None], axis=1)  # [B, K-1, C]
+    return out, jnp.swapaxes(new_state, 1, 2).astype(conv_state.dtype)

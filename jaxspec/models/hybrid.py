@@ -1,0 +1,541 @@
+"""Hybrid policies (`family: qwen3_5`, `qwen3_next`): Gated DeltaNet layers between gated
+full-attention layers, as HF `Qwen3_5ForCausalLM` / `Qwen3NextForCausalLM` compute them.
+
+A layer is a token mixer then a feed-forward, each with its residual:
+- "linear_attention" (`GatedDeltaNet`): in_proj_qkv, a short depthwise causal convolution
+  (silu), L2-normed queries and keys, the gated delta rule (jaxspec.models.gated_deltanet:
+  chunked for a forward of several tokens, recurrent for one), an RMSNorm gated by
+  silu(in_proj_z x), out_proj;
+- "full_attention" (`GatedAttention`): GQA with QK-norm, RoPE on the first
+  `partial_rotary_factor` of each head, and the output gated by sigmoid of a second half of
+  q_proj's output (per head: [query | gate]);
+- the feed-forward: the SwiGLU MLP, or (qwen3_next with experts) jaxspec.models.moe's MoE
+  with its gated shared expert, per `ModelConfig.sparse_layers`.
+Every RMSNorm but the gated one stores its scale as an offset from 1 (HF's zero-centred
+norm, `(x_normed * (1 + w)).to(dtype)`).
+
+Layers of one kind are stacked (params "linear_layers", "full_layers", "mlps", "moes", each
+on a leading axis over the layers of that kind) and the forward runs them unrolled in
+`layer_types` order: the stack is not one scan of identical layers.
+
+The cache (`HybridCache`) holds the full-attention layers' keys and values and the row
+lengths (a `KVCache`), and per linear layer and row the convolution's last K-1 inputs and
+the delta rule's state. A linear layer reads a row's real tokens in order (padding, marked
+by positions < 0, never enters a state), so the forward takes no tree mask: a tree of drafts
+needs one state per node (issue 51).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.kernels import tree_attention
+from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
+from jaxspec.models.config import ModelConfig, matmul_precision
+from jaxspec.models.gated_deltanet import (
+    causal_conv,
+    delta_rule_chunked,
+    delta_rule_recurrent,
+    l2_normalize,
+)
+from jaxspec.models.layers import INIT_STD, MLP, logical_param
+from jaxspec.models.moe import MoE
+
+__all__ = ["GatedAttention", "GatedDeltaNet", "HybridCache", "HybridPolicy",
+           "HybridTransformer", "layer_plan", "random_hybrid_policy"]
+
+_STACKS = ("linear_layers", "full_layers", "mlps", "moes")
+
+
+def layer_plan(config: ModelConfig) -> tuple[tuple[str, int, str, int], ...]:
+    """Per layer: (mixer stack, index in it, feed-forward stack, index in it)."""
+    seen = dict.fromkeys(_STACKS, 0)
+    plan = []
+    for kind, sparse in zip(config.layer_types, config.sparse_layers):
+        mixer = "linear_layers" if kind == "linear_attention" else "full_layers"
+        ffn = "moes" if sparse else "mlps"
+        plan.append((mixer, seen[mixer], ffn, seen[ffn]))
+        seen[mixer] += 1
+        seen[ffn] += 1
+    return tuple(plan)
+
+
+def _stack_sizes(config: ModelConfig) -> dict[str, int]:
+    sizes = dict.fromkeys(_STACKS, 0)
+    for mixer, _, ffn, _ in layer_plan(config):
+        sizes[mixer] += 1
+        sizes[ffn] += 1
+    return sizes
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class CenteredRMSNorm(nnx.Module):
+    """HF Qwen3.5's RMSNorm: statistics in float32, times (1 + scale), then the input dtype."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, axis_name: str = "embed"):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.zeros((dim,), dtype), out_sharding=(axis_name,),
+                               eager_sharding=False)
+
+    def __call__(self, x):  # [..., dim] -> [..., dim]
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    """The linear-attention layer's mixer with its input norm (module docstring)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype, h = config.param_dtype, config.hidden_size
+        hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+        conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + hv * dv
+        self.input_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, dtype=dtype)
+        if config.family == "qwen3_next":  # HF's fused projections, grouped by key head:
+            # per key head [q (dk) | k (dk) | its r value heads' v (r dv) | their z (r dv)]
+            # and [their b (r) | their a (r)], r = Hv / Hk
+            hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+            r = hv // hk
+            self.in_proj_qkvz = logical_param(rngs, (h, hk, 2 * dk + 2 * r * dv), dtype,
+                                              ("embed", None, None))
+            self.in_proj_ba = logical_param(rngs, (h, hk, 2 * r), dtype, ("embed", None, None))
+        else:  # qwen3_5: [q | k | v] (the convolution's channels), z, b, a apart
+            self.in_proj_qkv = logical_param(rngs, (h, conv_dim), dtype, ("embed", None))
+            self.in_proj_z = logical_param(rngs, (h, hv * dv), dtype, ("embed", None))
+            self.in_proj_b = logical_param(rngs, (h, hv), dtype, ("embed", None))
+            self.in_proj_a = logical_param(rngs, (h, hv), dtype, ("embed", None))
+        self.conv_weight = logical_param(rngs, (conv_dim, config.linear_conv_kernel_dim),
+                                         dtype, (None, None))
+        self.dt_bias = logical_param(None, (hv,), dtype, (None,), init="ones")
+        self.A_log = logical_param(None, (hv,), dtype, (None,), init="ones")
+        self.gate_norm = logical_param(None, (dv,), dtype, (None,), init="ones")
+        self.out_proj = logical_param(rngs, (hv * dv, h), dtype, (None, "embed"))
+
+    def project(
+        self,
+        h,  # [B, T, H] normed
+    ):  # -> (mixed [B, T, conv_dim] = [q | k | v], z [B, T, Hv, dv], b [B, T, Hv], a [B, T, Hv])
+        cfg = self.config
+        b, t, _ = h.shape
+        hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        if cfg.family != "qwen3_next":
+            return (h @ self.in_proj_qkv[...], (h @ self.in_proj_z[...]).reshape(b, t, hv, dv),
+                    h @ self.in_proj_b[...], h @ self.in_proj_a[...])
+        r = hv // hk
+        qkvz = jnp.einsum("bth,hgc->btgc", h, self.in_proj_qkvz[...])  # [B, T, Hk, ...]
+        ba = jnp.einsum("bth,hgc->btgc", h, self.in_proj_ba[...])
+        q, k = qkvz[..., :dk], qkvz[..., dk:2 * dk]
+        v, z = qkvz[..., 2 * dk:2 * dk + r * dv], qkvz[..., 2 * dk + r * dv:]
+        mixed = jnp.concatenate([a.reshape(b, t, -1) for a in (q, k, v)], axis=-1)
+        return (mixed, z.reshape(b, t, hv, dv), ba[..., :r].reshape(b, t, hv),
+                ba[..., r:].reshape(b, t, hv))
+
+    def __call__(
+        self,
+        x,  # [B, T, H] the residual stream
+        order,  # [B, T] int32: the row's real tokens first, in order, then its padding
+        counts,  # [B] int32: real tokens per row
+        conv_state,  # [B, conv_dim, K-1]
+        state,  # [B, Hv, dk, dv] float32
+    ):  # -> (x [B, T, H], conv_state, state)
+        cfg = self.config
+        b, t, _ = x.shape
+        dtype = x.dtype
+        hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        h = jnp.take_along_axis(self.input_layernorm(x), order[:, :, None], axis=1)
+        mixed, z, beta_in, rate_in = self.project(h)
+        conv, conv_state = causal_conv(mixed, conv_state, self.conv_weight[...], counts)
+        mixed = jax.nn.silu(conv).astype(dtype)
+        q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+        q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
+        k = l2_normalize(k.reshape(b, t, hk, dk))
+        v = v.reshape(b, t, hv, dv)
+        real = (jnp.arange(t)[None, :] < counts[:, None])[..., None]  # [B, T, 1]
+        beta = jnp.where(real, jax.nn.sigmoid(beta_in).astype(jnp.float32), 0.0)
+        rate = jax.nn.softplus(rate_in.astype(jnp.float32)
+                               + self.dt_bias[...].astype(jnp.float32))
+        g = jnp.where(real, -jnp.exp(self.A_log[...].astype(jnp.float32)) * rate, 0.0)
+        rule = delta_rule_recurrent if t == 1 else delta_rule_chunked
+        out, state = rule(q, k, v, g, beta, state)
+        out = out.astype(dtype)
+        # the gated RMSNorm: normed in float32, scaled in the dtype, gated by silu(z) in float32
+        out32 = out.astype(jnp.float32)
+        normed = (out32 * jax.lax.rsqrt(jnp.mean(jnp.square(out32), -1, keepdims=True)
+                                        + cfg.rms_norm_eps)).astype(dtype)
+        gated = ((self.gate_norm[...] * normed).astype(jnp.float32)
+                 * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+        y = gated.reshape(b, t, hv * dv) @ self.out_proj[...]
+        inverse = jnp.argsort(order, axis=1)
+        return x + jnp.take_along_axis(y, inverse[:, :, None], axis=1), conv_state, state
+
+
+def rope_partial_inv_freq(config: ModelConfig) -> np.ndarray:  # -> [rotary_dim // 2] float32
+    """Inverse frequencies of the rotated dims, in float32 as transformers computes them."""
+    f32 = np.float32
+    dim = config.rotary_dim
+    return f32(1.0) / (f32(config.rope_theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)))
+
+
+def apply_partial_rope(
+    x,  # [B, T, heads, head_dim]
+    positions,  # [B, T] int; negative (padding) treated as 0
+    config: ModelConfig,
+):  # -> [B, T, heads, head_dim]: the first rotary_dim dims rotated (rotate_half), the rest as is
+    angles = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * jnp.asarray(
+        rope_partial_inv_freq(config))
+    emb = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    r = config.rotary_dim
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+
+
+class GatedAttention(nnx.Module):
+    """Full attention with an output gate (module docstring) and its input norm."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype, h, eps = config.param_dtype, config.hidden_size, config.rms_norm_eps
+        nq, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.input_layernorm = CenteredRMSNorm(h, eps, dtype=dtype)
+        # per head [query | gate], as HF's q_proj output viewed [.., heads, 2 * head_dim]
+        self.q_proj = logical_param(rngs, (h, nq, 2 * d), dtype, ("embed", "heads", None))
+        self.k_proj = logical_param(rngs, (h, nkv, d), dtype, ("embed", "kv_heads", "head_dim"))
+        self.v_proj = logical_param(rngs, (h, nkv, d), dtype, ("embed", "kv_heads", "head_dim"))
+        self.o_proj = logical_param(rngs, (nq, d, h), dtype, ("heads", "head_dim", "embed"))
+        self.q_norm = CenteredRMSNorm(d, eps, dtype=dtype, axis_name="head_dim")
+        self.k_norm = CenteredRMSNorm(d, eps, dtype=dtype, axis_name="head_dim")
+
+    def __call__(
+        self,
+        x,  # [B, T, H] the residual stream
+        positions,  # [B, T] int32
+        k_cache,  # [B, S, kv_heads, head_dim]
+        v_cache,  # [B, S, kv_heads, head_dim]
+        cache_lengths,  # [B] int32, <= S
+        mask,  # [B, T, T] bool among the new tokens
+    ):  # -> (x [B, T, H], k [B, T, kv_heads, head_dim], v)
+        cfg = self.config
+        d = cfg.head_dim
+        h = self.input_layernorm(x)
+        qg = jnp.einsum("btf,fnd->btnd", h, self.q_proj[...])
+        q, gate = qg[..., :d], qg[..., d:]
+        k = jnp.einsum("btf,fnd->btnd", h, self.k_proj[...])
+        v = jnp.einsum("btf,fnd->btnd", h, self.v_proj[...])
+        q = apply_partial_rope(self.q_norm(q), positions, cfg)
+        k = apply_partial_rope(self.k_norm(k), positions, cfg)
+        heads = tree_attention(q, k_cache, v_cache, cache_lengths, k, v, mask,
+                               backend=cfg.attention_backend)
+        heads = heads * jax.nn.sigmoid(gate)
+        b, t, n, _ = heads.shape
+        return x + jnp.dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1)), k, v
+
+
+class FeedForward(nnx.Module):
+    """post_attention_layernorm, then the SwiGLU MLP or the experts."""
+
+    def __init__(self, config: ModelConfig, *, sparse: bool, rngs: nnx.Rngs):
+        dtype, h = config.param_dtype, config.hidden_size
+        self.post_attention_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, dtype=dtype)
+        self.mlp = None if sparse else MLP(h, config.intermediate_size, dtype=dtype, rngs=rngs)
+        self.moe = MoE(config, rngs=rngs) if sparse else None
+
+    def __call__(self, x):  # [B, T, H] -> [B, T, H]
+        h = self.post_attention_layernorm(x)
+        out = self.mlp(h) if self.moe is None else self.moe(h)[0]
+        return x + out.astype(x.dtype)
+
+
+def _stacked(make, n: int, rngs: nnx.Rngs):
+    if n == 0:
+        return None
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_all(rngs):
+        return make(rngs)
+
+    return make_all(rngs)
+
+
+class HybridTransformer(nnx.Module):
+    """Embedding, the layers by kind (stacked per kind), final norm, LM head (or tied)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if not config.is_hybrid:
+            raise ValueError(f"HybridTransformer: family {config.family!r} is not hybrid")
+        self.config = config
+        dtype = config.param_dtype
+        sizes = _stack_sizes(config)
+        self.embed_tokens = logical_param(
+            rngs, (config.vocab_size, config.hidden_size), dtype, ("vocab", "embed"))
+        self.linear_layers = _stacked(lambda r: GatedDeltaNet(config, rngs=r),
+                                      sizes["linear_layers"], rngs)
+        self.full_layers = _stacked(lambda r: GatedAttention(config, rngs=r),
+                                    sizes["full_layers"], rngs)
+        self.mlps = _stacked(lambda r: FeedForward(config, sparse=False, rngs=r),
+                             sizes["mlps"], rngs)
+        self.moes = _stacked(lambda r: FeedForward(config, sparse=True, rngs=r),
+                             sizes["moes"], rngs)
+        self.norm = CenteredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if config.tie_embeddings else logical_param(
+            rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab"))
+
+    def __call__(
+        self,
+        tokens,  # [B, T] int32
+        positions,  # [B, T] int32; < 0 marks padding
+        cache: HybridCache,
+        mask,  # [B, T, T] bool (causal among the real tokens)
+        capture: tuple[int, ...] = (),
+        head: bool = True,
+    ):  # -> (logits [B, T, V] f32 or hidden [B, T, H], {layer: [B, T, H]}, HybridCache)
+        cfg = self.config
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        valid, mask = new_token_mask(positions, mask)
+        order = jnp.argsort(~valid, axis=1, stable=True).astype(jnp.int32)
+        counts = jnp.sum(valid, axis=1, dtype=jnp.int32)
+        lengths = jnp.minimum(cache.lengths, cache.max_len)
+        split = {name: nnx.split(getattr(self, name)) for name in _STACKS
+                 if getattr(self, name) is not None}
+
+        def layer(name, j):
+            graphdef, params = split[name]
+            return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], params))
+
+        convs, states, keys, values, captured = [], [], [], [], {}
+        for i, (mixer, m, ffn, f) in enumerate(layer_plan(cfg)):
+            if mixer == "linear_layers":
+                x, conv, state = layer(mixer, m)(x, order, counts, cache.conv[m], cache.state[m])
+                convs.append(conv)
+                states.append(state)
+            else:
+                x, k, v = layer(mixer, m)(x, positions, cache.kv.k[m], cache.kv.v[m], lengths, mask)
+                keys.append(k)
+                values.append(v)
+            x = layer(ffn, f)(x)
+            if i in capture:
+                captured[i] = x
+        x = self.norm(x)
+        if head:
+            w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+            x = jnp.einsum("bth,hv->btv", x, w, preferred_element_type=jnp.float32)
+        kv = cache.kv
+        if keys:
+            kv = kv.write(jnp.stack(keys), jnp.stack(values), valid)
+        kv = kv.advance(valid)
+        cache = HybridCache(kv=kv, conv=jnp.stack(convs) if convs else cache.conv,
+                            state=jnp.stack(states) if states else cache.state)
+        return x, captured, cache
+
+
+# --------------------------------------------------------------------------- cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    """A hybrid policy's decoding state: the full-attention layers' keys/values with the row
+    lengths, and per linear layer and row the convolution's and the delta rule's states."""
+
+    kv: KVCache  # [L_full, batch, max_len, kv_heads, head_dim] and lengths [batch]
+    conv: jax.Array  # [L_linear, batch, conv_dim, K-1] (param dtype): last K-1 conv inputs
+    state: jax.Array  # [L_linear, batch, Hv, dk, dv] float32: the delta rule's state
+
+    @property
+    def batch(self) -> int:
+        return self.kv.batch
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    @property
+    def lengths(self):  # -> [batch] int32
+        return self.kv.lengths
+
+    @property
+    def overflowed(self):  # -> [batch] bool
+        return self.kv.overflowed
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int) -> HybridCache:
+        sizes = _stack_sizes(config)
+        if batch < 1 or max_len < 0:
+            raise ValueError(f"HybridCache sizes: batch={batch} (>= 1), max_len={max_len} (>= 0)")
+        full = sizes["full_layers"]
+        shape = (full, batch, max_len, config.num_kv_heads, config.head_dim)
+        kv = KVCache(k=jnp.zeros(shape, config.param_dtype),
+                     v=jnp.full(shape, -0.0, config.param_dtype),
+                     lengths=jnp.zeros((batch,), jnp.int32))
+        linear = sizes["linear_layers"]
+        hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+        hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+        conv_dim = 2 * hk * dk + hv * dv
+        return cls(
+            kv=kv,
+            conv=jnp.zeros((linear, batch, conv_dim, config.linear_conv_kernel_dim - 1),
+                           config.param_dtype),
+            state=jnp.zeros((linear, batch, hv, dk, dv), jnp.float32),
+        )
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@functools.partial(jax.jit, static_argnames=("capture", "head", "stateless"))
+def _forward(policy, tokens, positions, cache, mask, capture, head, stateless):
+    model = nnx.merge(policy.graphdef, policy.params)
+    logits, captured, cache = model(tokens, positions, cache, mask, capture, head)
+    return logits, captured, None if stateless else cache
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridPolicy:
+    """A hybrid policy as a pytree (static config + graphdef, params as leaves) with
+    `Policy.forward`'s contract: forward(tokens, positions, cache, *, mask, capture, head)
+    -> (logits, captured, cache)."""
+
+    config: ModelConfig = dataclasses.field(metadata=dict(static=True))
+    graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
+    params: nnx.State
+
+    @classmethod
+    def abstract(cls, config: ModelConfig) -> HybridPolicy:
+        """Shapes/dtypes only (ShapeDtypeStruct leaves)."""
+        module = nnx.eval_shape(lambda: HybridTransformer(config, rngs=nnx.Rngs(params=0)))
+        graphdef, params = nnx.split(module)
+        return cls(config=config, graphdef=graphdef, params=params)
+
+    @classmethod
+    def init(cls, config: ModelConfig, key) -> HybridPolicy:
+        """transformers' init: normal(0.02) weights, zero-centred norms 0, the gated norm and
+        dt_bias 1, A_log = log(uniform(0.01, 16)) (from one key, drawn with NumPy)."""
+        seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
+        return _drawn(cls.abstract(config), seed, hf_init=True)
+
+    def replace(self, **changes) -> HybridPolicy:
+        return dataclasses.replace(self, **changes)
+
+    def astype(self, dtype: str) -> HybridPolicy:
+        """The params cast to "float32" or "bfloat16" (config.dtype follows)."""
+        new = HybridPolicy.abstract(self.config.replace(dtype=dtype))
+        return new.replace(params=jax.tree.map(lambda x: x.astype(new.config.param_dtype),
+                                               self.params))
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+    @property
+    def logical_axes(self):
+        return nnx.get_partition_spec(self.params)
+
+    def init_cache(self, batch: int, max_len: int) -> HybridCache:
+        return HybridCache.zeros(self.config, batch, max_len)
+
+    def embed(self, tokens):  # [B, T] int32 -> [B, T, H]
+        return jnp.take(self.params["embed_tokens"][...], tokens, axis=0)
+
+    def forward(
+        self,
+        tokens,  # [B, T] int32
+        positions,  # [B, T] int32; < 0 marks padding (no cache write, no state update)
+        cache: HybridCache | None = None,
+        *,
+        mask=None,  # None, or [B, T, T] bool that must be causal (no trees: module docstring)
+        capture: tuple[int, ...] = (),
+        head: bool = True,
+    ):
+        """-> (logits [B,T,V] float32 (head=False: final-normed hidden [B,T,H]), {layer:
+        hidden [B,T,H]}, cache). A forward of several tokens runs the chunked delta rule, of
+        one token the recurrent one. With cache=None the states start at zero and None is
+        returned."""
+        cfg = self.config
+        tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
+        if tokens.ndim != 2 or positions.shape != tokens.shape:
+            raise ValueError(f"forward: tokens {tokens.shape} and positions {positions.shape} "
+                             "must both be [B, T]")
+        b, t = tokens.shape
+        capture = tuple(int(i) for i in capture)
+        if any(not 0 <= i < cfg.num_layers for i in capture):
+            raise ValueError(f"forward: capture layers {capture} out of range [0, {cfg.num_layers})")
+        if mask is not None:
+            causal = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+            if isinstance(mask, jax.core.Tracer) or not np.array_equal(np.asarray(mask), causal):
+                raise ValueError(
+                    f"forward: family {cfg.family!r} takes no tree mask (its linear-attention "
+                    "layers read a row's tokens in order; a tree needs one recurrent state per "
+                    "node); pass mask=None")
+            mask = None
+        stateless = cache is None
+        if stateless:
+            cache = HybridCache.zeros(cfg, b, 0)
+        elif cache.batch != b:
+            raise ValueError(f"forward: cache batch {cache.batch} != tokens batch {b}")
+        elif not any(isinstance(a, jax.core.Tracer) for a in (cache.lengths, positions)):
+            need = np.asarray(cache.lengths) + np.sum(np.asarray(positions) >= 0, axis=1)
+            over = np.nonzero(need > cache.max_len)[0]
+            if over.size:
+                raise CacheOverflowError(
+                    f"forward would write past the cache: rows {over.tolist()} need "
+                    f"{need[over].tolist()} slots, max_len={cache.max_len}")
+        with matmul_precision(cfg.dtype):
+            return _forward(self, tokens, positions, cache, None, capture, bool(head), stateless)
+
+
+jax.tree_util.register_dataclass(HybridPolicy)
+
+
+def _drawn(policy: HybridPolicy, seed: int, *, hf_init: bool) -> HybridPolicy:
+    """Params drawn with NumPy by name (the same on every backend): `HybridPolicy.init`'s
+    (hf_init) or `random_hybrid_policy`'s."""
+    cfg = policy.config
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(policy.params)
+    out = []
+    for path, leaf in leaves:
+        name = "/".join(str(getattr(k, "key", "")) for k in path)
+        shape = tuple(leaf.shape)
+        noise = rng.standard_normal(shape).astype(np.float32)
+        if name.endswith("A_log"):
+            value = np.log(rng.uniform(0.01 if hf_init else 1.0, 16.0, shape))
+        elif name.endswith(("dt_bias", "gate_norm")):
+            value = np.ones(shape) if hf_init else 1.0 + 0.3 * noise
+        elif name.endswith("scale"):
+            value = np.zeros(shape) if hf_init else 0.3 * noise
+        elif hf_init:
+            value = INIT_STD * noise
+        elif "embed_tokens" in name:
+            value = noise
+        else:  # ~1/sqrt(fan_in): the stacked axis leads, the input dims follow it
+            if name.endswith("o_proj"):
+                fan_in = cfg.num_heads * cfg.head_dim
+            elif name.endswith("conv_weight"):
+                fan_in = shape[-1]
+            elif name.endswith(("down_proj", "out_proj")):
+                fan_in = shape[-2]
+            else:
+                fan_in = cfg.hidden_size
+            value = noise / np.sqrt(fan_in)
+        out.append(jnp.asarray(value, cfg.param_dtype))
+    return policy.replace(params=jax.tree_util.tree_unflatten(treedef, out))
+
+
+def random_hybrid_policy(config: ModelConfig, seed: int = 0) -> HybridPolicy:
+    """Weights of ~1/sqrt(fan_in) and norms 0.3 N(0,1) away from 1 (as `random_policy`'s):
+    logits of order 1-10, against which a tolerance means something."""
+    return _drawn(HybridPolicy.abstract(config), seed, hf_init=False)

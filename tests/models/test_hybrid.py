@@ -1,0 +1,266 @@
+"""Hybrid policies (family qwen3_5 / qwen3_next) against transformers' Qwen3_5ForCausalLM and
+Qwen3NextForCausalLM (their pure-PyTorch chunked and recurrent gated delta rule and causal
+conv1d are the oracle), the chunked form against the recurrent one through the cache, and
+the checkpoint round trip."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.models import ModelConfig, load_hf, save_hf
+from jaxspec.models.gated_deltanet import delta_rule_chunked, delta_rule_recurrent
+from jaxspec.models.hybrid import HybridCache, HybridPolicy, random_hybrid_policy
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+L, F = "linear_attention", "full_attention"
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+             linear_conv_kernel_dim=4, rms_norm_eps=1e-4, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                              "partial_rotary_factor": 0.5})
+NEXT_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    shared_expert_intermediate_size=16, norm_topk_prob=True)
+
+
+def _hf_model(family, layer_types, seed=0, **extra):
+    """A tiny transformers model with O(1) random weights (its own init gives logits near 0,
+    against which no tolerance means anything)."""
+    torch.manual_seed(seed)
+    kw = dict(SMALL, num_hidden_layers=len(layer_types), layer_types=list(layer_types), **extra)
+    if family == "qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw))
+    else:
+        kw.setdefault("num_experts", 0)
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**kw))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("A_log"):
+                p.copy_(torch.log(1 + 15 * torch.rand(p.shape, generator=gen)))
+            elif p.ndim == 1:  # norms (zero-centred, or the gated one around 1), dt_bias
+                p.copy_(0.3 * noise + (1.0 if name.endswith(("linear_attn.norm.weight",
+                                                             "dt_bias")) else 0.0))
+            elif "embed_tokens" in name or "conv1d" in name:
+                p.copy_(noise)
+            elif "in_proj_qkv" in name:  # values of order 1: the delta rule's output is then
+                # far above the gated norm's eps, where a ~1e-7 relative rounding stays ~1e-7
+                p.copy_(3 * noise / np.sqrt(p.shape[-1]))
+            else:
+                p.copy_(noise / np.sqrt(p.shape[-1]))
+    return model.eval()
+
+
+def _tokens(b, t, seed=0):
+    return np.random.default_rng(seed).integers(0, SMALL["vocab_size"], (b, t))
+
+
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def _hf_decoded_logits(model, tokens):
+    """transformers' logits token by token through its cache: its recurrent rule and
+    causal_conv1d_update (the oracle's other form)."""
+    cache, out = transformers.DynamicCache(config=model.config), []
+    with torch.no_grad():
+        for i in range(tokens.shape[1]):
+            step = model(torch.tensor(tokens[:, i:i + 1]), cache=cache, use_cache=True)
+            cache = step.cache
+            out.append(step.logits.numpy())
+    return np.concatenate(out, axis=1)
+
+
+PATTERNS = [
+    ("qwen3_5", (L, L, L, F), {}),
+    ("qwen3_5", (F, L, F, L), {}),
+    ("qwen3_next", (L, F), {}),
+    ("qwen3_next", (L, L, F), dict(NEXT_EXPERTS, mlp_only_layers=[1])),
+]
+
+
+@pytest.mark.parametrize("family,layer_types,extra", PATTERNS,
+                         ids=["qwen3_5-LLLF", "qwen3_5-FLFL", "next-LF", "next-moe-LLF"])
+def test_logits_equal_transformers(tmp_path, family, layer_types, extra):
+    model = _hf_model(family, layer_types, **extra)
+    model.save_pretrained(tmp_path)
+    policy = load_hf(tmp_path)
+    assert isinstance(policy, HybridPolicy)
+    assert policy.config.family == family and policy.config.layer_types == layer_types
+    assert policy.config.rotary_dim == 8
+    tokens = _tokens(2, 70)  # past one chunk of 64: the chunked form carries its state
+    want = _hf_logits(model, tokens)
+    got, _, _ = policy.forward(tokens, np.broadcast_to(np.arange(70), (2, 70)))
+    assert np.abs(want).max() > 1.0  # logits of order 1, so the tolerance means something
+    # Most tokens within 1e-5. A few are ill-conditioned (a delta-rule output that is a small
+    # difference of O(1) terms, which the gated RMSNorm scales up; an MoE router near a tie):
+    # there transformers' own two forms (chunked; recurrent, through its cache) disagree too,
+    # and ours is held to twice their largest disagreement.
+    gaps = np.abs(want - _hf_decoded_logits(model, tokens)).max(axis=-1)  # [B, T]
+    err = np.abs(np.asarray(got) - want)
+    assert err.max() <= max(1e-5, 2 * gaps.max()), (err.max(), gaps.max())
+    within, theirs = np.mean(err.max(axis=-1) <= 1e-5), np.mean(gaps <= 1e-5)
+    assert within >= min(0.9, theirs - 0.05), (within, theirs)
+
+
+def test_decode_with_cache_equals_transformers_generation_cache(tmp_path):
+    """A prefill then single-token forwards through our cache against transformers' own
+    cached decode (its recurrent path and causal_conv1d_update)."""
+    model = _hf_model("qwen3_5", (L, F, L))
+    model.save_pretrained(tmp_path)
+    policy = load_hf(tmp_path)
+    tokens = _tokens(2, 12, seed=1)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(torch.tensor(tokens[:, :8]), cache=cache, use_cache=True)
+        want = [out.logits.numpy()]
+        for i in range(8, 12):
+            out = model(torch.tensor(tokens[:, i:i + 1]), cache=out.cache, use_cache=True)
+            want.append(out.logits.numpy())
+    ours = policy.init_cache(2, 16)
+    got = []
+    for lo, hi in ((0, 8), (8, 9), (9, 10), (10, 11), (11, 12)):
+        logits, _, ours = policy.forward(tokens[:, lo:hi], np.broadcast_to(np.arange(lo, hi), (2, hi - lo)), ours)
+        got.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(got, 1), np.concatenate(want, 1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 0.15)])
+def test_chunked_prefill_equals_token_by_token_decode(dtype, tol):
+    """Prefill all at once (chunked delta rule, one convolution over the prompt) against
+    decoding one token at a time through the cache (recurrent rule, the convolution's
+    state): every position's logits agree within rounding."""
+    policy = random_hybrid_policy(ModelConfig.tiny("qwen3_5", dtype=dtype), seed=3)
+    b, t = 2, 11
+    tokens = jnp.asarray(_tokens(b, t, seed=2) % policy.config.vocab_size, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    whole, _, _ = policy.forward(tokens, positions)
+    cache = policy.init_cache(b, 16)
+    steps = []
+    for i in range(t):
+        logits, _, cache = policy.forward(tokens[:, i:i + 1], positions[:, i:i + 1], cache)
+        steps.append(np.asarray(logits))
+    steps = np.concatenate(steps, axis=1)
+    scale = np.abs(np.asarray(whole)).max()
+    assert scale > 1.0
+    np.testing.assert_allclose(steps, np.asarray(whole), atol=tol * max(1.0, scale / 10), rtol=0)
+    assert np.asarray(cache.lengths).tolist() == [t, t]
+
+
+def test_delta_rule_forms_against_each_other_and_a_numpy_loop():
+    """The chunked and recurrent rules, from a nonzero state, over a length that is no
+    multiple of the chunk, against a plain NumPy loop of the rule's definition."""
+    rng = np.random.default_rng(0)
+    b, t, hk, hv, dk, dv = 1, 13, 1, 2, 4, 3
+    q = rng.standard_normal((b, t, hk, dk)).astype(np.float32) / 2
+    k = rng.standard_normal((b, t, hk, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((b, t, hv, dv)).astype(np.float32)
+    g = -rng.uniform(0, 1, (b, t, hv)).astype(np.float32)
+    beta = rng.uniform(0, 1, (b, t, hv)).astype(np.float32)
+    s0 = rng.standard_normal((b, hv, dk, dv)).astype(np.float32)
+    s = s0[0].astype(np.float64)
+    want = np.zeros((t, hv, dv))
+    for i in range(t):
+        for h in range(hv):
+            kk, qq = k[0, i, h // (hv // hk)], q[0, i, h // (hv // hk)]
+            s[h] *= np.exp(g[0, i, h])
+            s[h] += np.outer(kk, beta[0, i, h] * (v[0, i, h] - s[h].T @ kk))
+            want[i, h] = s[h].T @ qq
+    with jax.default_matmul_precision("highest"):
+        for out, state in (delta_rule_recurrent(q, k, v, g, beta, s0),
+                           delta_rule_chunked(q, k, v, g, beta, s0, chunk=4)):
+            np.testing.assert_allclose(np.asarray(out)[0], want, atol=2e-5)
+            np.testing.assert_allclose(np.asarray(state)[0], s, atol=2e-5)
+
+
+def test_padding_never_enters_a_state():
+    """Rows padded on the left, the right and in the middle (positions < 0) give each real
+    token the logits of the same row unpadded, and leave the same cache states."""
+    policy = random_hybrid_policy(ModelConfig.tiny("qwen3_5"), seed=1)
+    tokens = jnp.asarray(_tokens(1, 6, seed=4) % 128, jnp.int32)
+    plain_logits, _, plain = policy.forward(tokens, jnp.arange(6)[None], policy.init_cache(1, 8))
+    layouts = [[-1, -1, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, -1, -1], [0, 1, -1, 2, 3, -1, 4, 5]]
+    for layout in layouts:
+        pos = jnp.asarray([layout], jnp.int32)
+        fed = jnp.where(pos >= 0, tokens[0][jnp.maximum(pos, 0)], 7)
+        logits, _, cache = policy.forward(fed, pos, policy.init_cache(1, 8))
+        real = np.asarray(pos[0]) >= 0
+        np.testing.assert_allclose(np.asarray(logits)[0, real], np.asarray(plain_logits)[0],
+                                   atol=2e-5)
+        np.testing.assert_allclose(np.asarray(cache.state), np.asarray(plain.state), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(cache.conv), np.asarray(plain.conv), atol=1e-5)
+        assert int(cache.lengths[0]) == 6
+
+
+@pytest.mark.parametrize("family,layer_types,extra", [PATTERNS[0], PATTERNS[3]],
+                         ids=["qwen3_5", "next-moe"])
+def test_export_to_transformers_and_back_is_bit_exact(tmp_path, family, layer_types, extra):
+    model = _hf_model(family, layer_types, seed=5, **extra)
+    model.save_pretrained(tmp_path / "a")
+    policy = load_hf(tmp_path / "a")
+    save_hf(policy, tmp_path / "b")
+    cls = (transformers.Qwen3_5ForCausalLM if family == "qwen3_5"
+           else transformers.Qwen3NextForCausalLM)
+    reloaded = cls.from_pretrained(tmp_path / "b")
+    theirs = dict(model.state_dict())
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, theirs.pop(name)), name
+    assert not theirs
+    tokens = _tokens(1, 9, seed=6)
+    assert np.array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
+    back = load_hf(tmp_path / "b")
+    for a, b in zip(jax.tree.leaves(policy.params), jax.tree.leaves(back.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mtp_tensors_are_skipped_and_a_bad_layer_pattern_is_named(tmp_path):
+    import json
+    from safetensors.numpy import load_file, save_file
+
+    from jaxspec.models.hf import HFCheckpointError
+
+    model = _hf_model("qwen3_5", (L, F))
+    model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["mtp.fc.weight"] = np.zeros((32, 64), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert load_hf(tmp_path).config.layer_types == (L, F)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["layer_types"] = [L, "sliding_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match="layer_types"):
+        load_hf(tmp_path)
+
+
+def test_config_checks_name_the_field():
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.tiny("qwen3_5", layer_types=(L, L, F))
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        ModelConfig.tiny("qwen3_5", linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.tiny("qwen3_5", partial_rotary_factor=0.1)
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.tiny("qwen3", layer_types=(L, L, F))
+
+
+def test_tree_mask_is_refused():
+    policy = random_hybrid_policy(ModelConfig.tiny("qwen3_5"), seed=0)
+    mask = np.ones((1, 3, 3), bool)
+    with pytest.raises(ValueError, match="qwen3_5.*tree"):
+        policy.forward(np.zeros((1, 3), np.int32), np.arange(3)[None], mask=mask)
+    assert isinstance(policy.init_cache(1, 4), HybridCache)
+
+
+def test_generate_refuses_a_hybrid_policy_before_compiling():
+    from jaxspec.decoding import generate
+
+    policy = HybridPolicy.abstract(ModelConfig.tiny("qwen3_next"))  # no weights: nothing runs
+    with pytest.raises(ValueError, match="family 'qwen3_next'"):
+        generate(policy, [[1, 2]], max_new_tokens=4, key=jax.random.key(0))
