@@ -8,7 +8,7 @@
 Times, each under `jax.profiler.trace`: the inspector's decode, verify_k3 and tree_n16
 programs (jaxspec.gpu_targets.inspect.build_program: the same loops, random weights, a cache
 filled to near --context), then the engine itself (`generate`, plain and with oracle drafts
-at k = 3) at each batch. Per case: every kernel's calls and time, named by the `hlo_op`
+at k = 3 taken from what its verify forward emits) at each batch. Per case: every kernel's calls and time, named by the `hlo_op`
 the profiler gives it (the optimized HLO's instruction name, which the inspector's
 estimate uses; a kernel without one, e.g. inside a CUDA graph, keeps its kernel name), the
 wall time of the calls, the device's busy time and the gaps between consecutive kernels
@@ -265,10 +265,12 @@ def profile_program(name: str, model, batch: int, args, key) -> dict:
 
 
 def profile_engine(model, batch: int, args, key, policy) -> list[dict]:
-    """The engine's `generate` at `batch`, plain then oracle drafts at k = 3 (acceptance 1)."""
+    """The engine's `generate` at `batch`, plain, then with oracle drafts at k = 3 taken from
+    what the verify forward emits (`oracle.verify_reference`: tau = 4 unless the engine's
+    verify and the reference's window forwards round apart, which acceptance_length shows)."""
     from jaxspec.decoding import SamplingConfig
     from jaxspec.decoding.engine import generate, pad_prompts
-    from jaxspec.decoding.oracle import oracle_drafter
+    from jaxspec.decoding.oracle import oracle_drafter, verify_reference
 
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, min(model.vocab_size, 1000), size=int(n)))
@@ -277,8 +279,8 @@ def profile_engine(model, batch: int, args, key, policy) -> list[dict]:
     common = dict(sampling=SamplingConfig(temperature=1.0), max_new_tokens=args.new_tokens,
                   key=jax.random.key(3))
     cases = []
-    plain = generate(policy, (tokens, lengths), **common)  # compile
-    drafter = oracle_drafter(tokens, lengths, plain.tokens, [1.0] * 3,
+    reference = verify_reference(policy, (tokens, lengths), 3, **common)
+    drafter = oracle_drafter(tokens, lengths, reference.tokens, [1.0] * 3,
                              vocab_size=model.vocab_size)
     for mode, kwargs in (("engine_plain", {}), ("engine_k3", {"drafter": drafter})):
         def run(kwargs=kwargs):
