@@ -56,6 +56,7 @@ __all__ = [
     "PROGRAMS",
     "Program",
     "build_program",
+    "experts_touched",
     "floor_bytes",
     "inspect_program",
     "stacked_attention_reads",
@@ -94,10 +95,23 @@ def _param_bytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts a layer routes `tokens` tokens to when each picks `top_k`
+    of `num_experts` uniformly at random: E (1 - (1 - K/E)^n), the independence model
+    scripts/bench_moe_experts.py measures real routing against (measured on a policy's own
+    rollouts it touches at most this many: 28.5 vs 29.1 at 4 tokens, docs/BENCHMARKS.md)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
 def floor_bytes(cfg, batch: int, fed: int, context: int, *, embed_rows: bool = True) -> dict:
     """The bytes a forward of `fed` tokens per row over `context` cached slots must move:
     every weight once (the token embedding only in the rows it gathers, unless tied: then
-    it is the LM head too), the live KV once, the new KV entries once. -> {part: bytes}."""
+    it is the LM head too), the live KV once, the new KV entries once. -> {part: bytes}.
+
+    An MoE policy (cfg.is_moe) reads, of its routed experts, only those the batch's
+    batch * fed tokens route to: per sparse layer `experts_touched` of them (uniform-random
+    routing), each expert's gate, up and down projections once; its other weights (dense
+    layers, attention, router, shared experts, LM head) every step."""
     from jaxspec.models import Policy
 
     params = Policy.abstract(cfg).params
@@ -106,8 +120,16 @@ def floor_bytes(cfg, batch: int, fed: int, context: int, *, embed_rows: bool = T
     embed = cfg.vocab_size * cfg.hidden_size * item
     weights = total if cfg.tie_embeddings else total - embed
     kv_row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
+    parts = {"weights": weights}
+    if cfg.is_moe:
+        expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item  # one expert's
+        sparse = sum(cfg.sparse_layers)
+        touched = experts_touched(cfg.num_experts, cfg.num_experts_per_tok, batch * fed)
+        parts = {"weights (dense)": weights - sparse * cfg.num_experts * expert,
+                 f"routed experts ({touched:.1f} of {cfg.num_experts} per layer)":
+                     sparse * touched * expert}
     return {
-        "weights": weights,
+        **parts,
         "embedding rows": batch * fed * cfg.hidden_size * item if embed_rows else 0,
         "KV read": batch * context * kv_row,
         "KV written": batch * fed * kv_row,

@@ -39,7 +39,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.kernels.grouped import fits as grouped_fits
+from jaxspec.kernels.grouped import group_bounds, grouped_matmul
 from jaxspec.kernels.invariant import invariant_dot, tree_sum, uncontracted
+from jaxspec.kernels.platform import platform
 from jaxspec.models.config import ModelConfig
 
 __all__ = ["EXPERT_BLOCK", "MoE", "load_balancing_loss", "router_z_loss", "routing_mismatch"]
@@ -47,6 +50,13 @@ __all__ = ["EXPERT_BLOCK", "MoE", "load_balancing_loss", "router_z_loss", "routi
 # Rows per block of the "blocked" expert backend (fewer when the assignments per expert are
 # fewer): each block is one expert's, so its padding costs at most E blocks of rows.
 EXPERT_BLOCK = 128
+
+
+def _one_gpu() -> bool:
+    """Whether the forward is built for a GPU (kernels.platform) on at most one device: the
+    grouped Pallas kernel is one custom call, which XLA cannot partition over a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return platform() == "gpu" and (mesh.empty or mesh.size == 1)
 
 
 def _param(rngs, shape, dtype, axes):
@@ -104,10 +114,17 @@ class MoE(nnx.Module):
         flat = x.reshape(b * t, h)
         logits, weights, experts = self.route(flat)
         cfg = self.config
+        small = flat.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts
         if cfg.batch_invariant:
             out = self._invariant(flat, weights, experts)
-        elif flat.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts:
+        elif small and _one_gpu():
+            out = self._gathered_reduce(flat, weights, experts)
+        elif small:
             out = self._gathered(flat, weights, experts)  # decode-sized: read only the chosen
+        elif (cfg.expert_backend == "blocked" and _one_gpu()
+              and grouped_fits(flat.shape[0] * cfg.num_experts_per_tok, h,
+                               cfg.moe_intermediate_size)):
+            out = self._grouped(flat, weights, experts)
         elif cfg.expert_backend == "dense":
             out = self._dense(flat, weights, experts)
         elif cfg.expert_backend == "blocked":
@@ -138,6 +155,42 @@ class MoE(nnx.Module):
         up = jax.lax.ragged_dot(xs, self.up_proj[...], sizes)
         ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], sizes)  # [N*K, H]
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
+        return jnp.sum(y * weights[..., None], axis=1)
+
+    def _grouped(self, x, weights, experts, interpret: bool = False):
+        """The grouped Pallas kernel (jaxspec.kernels.grouped): the assignments sorted by
+        expert, each projection one kernel that reads each routed expert's weights in place
+        (no per-block weight copy, no zero buffers, no searchsorted), results gathered
+        back in (token, slot) order with the inverse permutation."""
+        n, k = experts.shape
+        e = self.config.num_experts
+        flat = experts.reshape(-1)  # [N*K] in (token, slot) order
+        order = jnp.argsort(flat, stable=True)  # assignment indices grouped by expert
+        starts, ends = group_bounds(flat[order], e)
+        xs = x[order // k]  # [N*K, H] each assignment's token, grouped by expert
+
+        def gmm(a, w):
+            return grouped_matmul(a, w, starts, ends, False, interpret)
+
+        gate, up = gmm(xs, self.gate_proj[...]), gmm(xs, self.up_proj[...])
+        ys = gmm(jax.nn.silu(gate) * up, self.down_proj[...])  # [N*K, H] grouped order
+        back = jnp.argsort(order)  # each (token, slot)'s row in the grouped order
+        y = ys[back].reshape(n, k, -1)
+        return jnp.sum(y * weights[..., None], axis=1)
+
+    def _gathered_reduce(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]
+        """`_gathered` as products summed by reductions: on a GPU XLA fuses each expert
+        gather into the reduction that reads it, so the chosen experts' weights are read
+        once, in place (einsum's matmuls take a gathered copy of them first)."""
+        f32 = jnp.float32
+
+        def proj(v, w):  # [N, K, A] @ [N, K, A, O] (gathered) -> [N, K, O], summed in f32
+            return jnp.sum(v.astype(f32)[..., None] * w.astype(f32), axis=-2).astype(x.dtype)
+
+        xk = jnp.broadcast_to(x[:, None, :], experts.shape + x.shape[-1:])
+        gate = proj(xk, self.gate_proj[...][experts])
+        up = proj(xk, self.up_proj[...][experts])
+        y = proj(jax.nn.silu(gate) * up, self.down_proj[...][experts])  # [N, K, H]
         return jnp.sum(y * weights[..., None], axis=1)
 
     def _gathered(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]
