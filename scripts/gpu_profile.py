@@ -84,7 +84,7 @@ def kernel_events(trace_dir: str) -> list[dict]:
                 stats = dict(e.stats)
                 if not on_gpu and "hlo_op" not in stats:
                     continue
-                event = {"name": str(stats.get("hlo_op", e.name)),
+                event = {"name": str(stats.get("hlo_op", e.name)), "kernel": str(e.name),
                          "module": str(stats.get("hlo_module", "")),
                          "start_ns": float(e.start_ns),
                          "end_ns": float(e.start_ns) + float(e.duration_ns), "line": line.name}
@@ -108,15 +108,32 @@ def _leaves(events: list[dict]) -> list[dict]:
     return out
 
 
-def summarize(events: list[dict], wall_s: float, iterations: int) -> dict:
+def _name(event: dict, names: set | None) -> str:
+    """An event's kernel as the HLO names it: its kernel name or its `hlo_op`, whichever is
+    an instruction of the program (`names`: their `estimate.kernel_key`s; a kernel replayed
+    from a CUDA graph may carry the graph's op, not its own), else the `hlo_op`."""
+    from jaxspec.gpu_targets.estimate import kernel_key
+
+    if names:
+        for candidate in (event["kernel"], event["name"]):
+            if kernel_key(candidate) in names:
+                return candidate
+    return event["name"]
+
+
+def summarize(events: list[dict], wall_s: float, iterations: int,
+              names: set | None = None) -> dict:
     """Per-kernel totals, busy time (the union of kernel intervals), the gaps between
-    consecutive kernels, and per module, of one case's kernel events."""
+    consecutive kernels, and per module, of one case's kernel events (named by `_name`)."""
     kernels = {}
     for e in events:
+        e["name"] = _name(e, names)
         k = kernels.setdefault(e["name"], {"name": e["name"], "module": e["module"], "calls": 0,
-                                           "total_us": 0.0})
+                                           "total_us": 0.0, "kernel_names": []})
         k["calls"] += 1
         k["total_us"] += (e["end_ns"] - e["start_ns"]) / 1e3
+        if e["kernel"] not in k["kernel_names"] and len(k["kernel_names"]) < 3:
+            k["kernel_names"].append(e["kernel"])
     for k in kernels.values():
         k["us_per_call"] = k["total_us"] / k["calls"]
     busy, gaps, end, prev = 0.0, [], None, None
@@ -237,6 +254,8 @@ def profile_program(name: str, model, batch: int, args, key) -> dict:
         run()
         events, wall = _profiled(run, args.calls)
     text = compiled.as_text()
+    module = hlo.parse(text)
+    names = {estimate.kernel_key(i) for c in module.computations.values() for i in c.instructions}
     tag = f"{name}_b{batch}"
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
@@ -244,12 +263,11 @@ def profile_program(name: str, model, batch: int, args, key) -> dict:
             fh.write(text)
     case = {"program": name, "batch": batch, "context": args.context, "compile_s": compile_s,
             "thunks": thunks,
-            **summarize(events, wall, args.calls * inspect.LOOP_STEPS)}
+            **summarize(events, wall, args.calls * inspect.LOOP_STEPS, names)}
     target = _device_target()
     if target is not None:
         from jaxspec import gpu_targets
 
-        module = hlo.parse(text)
         cost = max(hlo.loop_costs(module, lambda inst: program.unknown_trip,
                                   custom_reads=inspect.stacked_attention_reads),
                    key=lambda c: c.bytes)
