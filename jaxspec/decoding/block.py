@@ -145,7 +145,7 @@ class BlockDrafter:
             axis=1)
         positions = (ctx.lengths - 1)[:, None] + jnp.arange(cfg.block_size, dtype=jnp.int32)
         hidden = self.head.block(policy.embed(block), positions, state.cache)
-        return hidden[:, 1:]
+        return self.head.drafted(hidden)
 
     def drafted_hidden(self, state: BlockState, policy, ctx: DraftContext):
         """The body's final-normed hidden states at the k drafted positions: [B, k, H]."""

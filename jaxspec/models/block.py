@@ -9,7 +9,8 @@ once, then projected by each layer's own k/v projections (with its k-norm and Ro
 prefix positions). Those context keys and values are what the drafter caches (one entry per
 committed token per layer); the block's own keys are never cached. The body's output goes
 through its final `norm` and the policy's LM head: the logits at mask position i draft the
-token i positions after the anchor.
+token i positions after the anchor (DFlash; with `sample_from_anchor`, DSpark's convention,
+slot i drafts the token i + 1 positions after it, the anchor's slot included).
 
 DSpark adds a low-rank Markov head, a bias `markov_w1[previous token] @ markov_w2` on the
 logits at each position (restoring the dependency between the block's tokens the parallel
@@ -38,14 +39,22 @@ from jaxspec.models.layers import DecoderLayer, RMSNorm, logical_param
 
 def default_block_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
     """DFlash's captured layers (outputs): `count` layers spread evenly from layer 1 to layer
-    L - 3 (one: the middle layer), clamped into [0, L - 1]."""
+    L - 3 (one: the middle layer). Always strictly increasing, as DSpark's readers require:
+    where that spread repeats a layer (policies of under ~count + 3 layers) it is
+    min(count, L - 1) layers spread over 0 .. L - 2 instead (the last layer, which DeepSpec
+    refuses, only for a one-layer policy)."""
     if num_target_layers <= 0 or count <= 0:
         raise ValueError(f"num_target_layers={num_target_layers}, count={count}; both must be positive")
     if count == 1:
         return (num_target_layers // 2,)
     start, end = 1, num_target_layers - 3
     ids = [int(round(start + i * (end - start) / (count - 1))) for i in range(count)]
-    return tuple(min(max(i, 0), num_target_layers - 1) for i in ids)
+    if end > start and len(set(ids)) == count:
+        return tuple(ids)
+    n, last = min(count, max(num_target_layers - 1, 1)), max(num_target_layers - 2, 0)
+    if n == 1:
+        return (last,)
+    return tuple(sorted({int(round(i * last / (n - 1))) for i in range(n)}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +69,10 @@ class BlockConfig:
     mask_token_id: int  # the token fed at the drafted positions (its policy embedding)
     markov_rank: int = 0  # DSpark's Markov head (0: none)
     confidence: bool = False  # DSpark's confidence head
+    # which block slot drafts the token j after the anchor: slot j (False, DFlash: the anchor's
+    # own slot drafts nothing) or slot j - 1 (True, DSpark's layout; its consumers' default
+    # sample_from_anchor)
+    sample_from_anchor: bool = False
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 2:
@@ -72,6 +85,9 @@ class BlockConfig:
             raise ValueError(f"markov_rank must be an int >= 0; got {self.markov_rank!r}")
         if not self.capture_layers:
             raise ValueError("capture_layers must name at least one policy layer")
+        if not isinstance(self.sample_from_anchor, bool):
+            raise ValueError(f"sample_from_anchor must be True or False; got "
+                             f"{self.sample_from_anchor!r}")
 
     @property
     def hidden_size(self) -> int:
@@ -123,10 +139,11 @@ class BlockHead:
     @staticmethod
     def init_for(policy, key: jax.Array, *, block_size: int = 8, num_layers: int = 1,
                  capture_layers=None, mask_token_id: int | None = None, markov_rank: int = 0,
-                 confidence: bool = False) -> BlockHead:
+                 confidence: bool = False, sample_from_anchor: bool = False) -> BlockHead:
         """A body of `num_layers` layers shaped like the policy's (Qwen3 layers with QK-norm,
         as DFlash's), reading `capture_layers` (default: DFlash's spread of max(3,
-        num_layers) layers); the mask token defaults to the vocabulary's last id."""
+        num_layers) layers); the mask token defaults to the vocabulary's last id.
+        `sample_from_anchor`: DSpark's slot convention (BlockConfig)."""
         pc = policy.config
         layers = (tuple(capture_layers) if capture_layers is not None
                   else default_block_layers(pc.num_layers, max(3, num_layers)))
@@ -134,7 +151,7 @@ class BlockHead:
                                              tie_embeddings=False, family="qwen3")
         mask = pc.vocab_size - 1 if mask_token_id is None else int(mask_token_id)
         cfg = BlockConfig(layer, int(block_size), pc.hidden_size, layers, mask, int(markov_rank),
-                          bool(confidence))
+                          bool(confidence), bool(sample_from_anchor))
         return BlockHead.init(cfg, key)
 
     @property
@@ -207,6 +224,10 @@ class BlockHead:
             x, _, _ = layer(x, jnp.maximum(positions, 0), CacheLayer(cache.k, jnp.int32(i)),
                             CacheLayer(cache.v, jnp.int32(i)), lengths, mask)
         return m.norm(x)
+
+    def drafted(self, hidden):  # [..., S, H] the block's slots -> [..., S - 1, H]
+        """The slots that draft the tokens 1 .. S - 1 after the anchor, in order."""
+        return hidden[..., :-1, :] if self.config.sample_from_anchor else hidden[..., 1:, :]
 
     def logits(self, normed, policy):  # [..., H] final-normed -> float32 [..., V]
         """Through the policy's LM head (shared, as DFlash's)."""

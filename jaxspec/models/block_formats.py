@@ -1,5 +1,6 @@
-"""The DFlash checkpoint layout (`z-lab/*-DFlash-b16`, served by SGLang's and vLLM's DFLASH
-workers) for `jaxspec.models.block.BlockHead`, with DSpark's extra tensors.
+"""The checkpoint layouts of `jaxspec.models.block.BlockHead`: DFlash's (`z-lab/*-DFlash-b16`,
+served by SGLang's and vLLM's DFLASH workers, with DSpark's extra tensors), and DSpark's own
+(DeepSpec's `Qwen3DSparkModel`, read by DeepSpec, SGLang and vLLM).
 
 config.json: a Qwen3 layer config (num_hidden_layers = the draft's layers), `block_size`,
 `num_target_layers`, and `dflash_config` {block_size, mask_token_id, target_layer_ids}
@@ -12,6 +13,15 @@ target's). DSpark adds `markov_rank` / `markov_head_type` ("vanilla") /
 `confidence_head_with_markov` to the config and markov_head.markov_w1.weight [V, r] (the
 previous token's embedding), markov_head.markov_w2.weight [V, r] (its bias projection),
 confidence_head.proj.{weight [1, H + r], bias [1]}.
+
+DSpark (DeepSpec `deepspec/modeling/dspark/qwen3/`): config.json is the target's Qwen3 config
+with num_hidden_layers = the draft's layers, architectures ["Qwen3DSparkModel"], top-level
+block_size, num_target_layers, target_layer_ids (strictly increasing), mask_token_id,
+num_anchors, enable_confidence_head, confidence_head_with_markov (when it has one),
+markov_rank, markov_head_type (when r > 0), tie_word_embeddings false; the tensors are
+DFlash's plus the model's own embed_tokens.weight [V, H] and lm_head.weight [V, H] (copies of
+the target's). Block slot i drafts the token i + 1 after the anchor (the anchor's slot
+included: `BlockConfig.sample_from_anchor`), where DFlash's slot i drafts token i.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from jaxspec.models.block import BlockConfig, BlockHead
 from jaxspec.models.hf import HFCheckpointError
 
 _ARCH = "DFlashDraftModel"
+DSPARK_ARCH = "Qwen3DSparkModel"
 
 
 def _flat(params) -> dict:
@@ -82,6 +93,9 @@ def save_dflash(head: BlockHead, path, *, num_target_layers: int) -> None:
     from jaxspec.models.hf import config_to_hf
 
     cfg = head.config
+    if cfg.sample_from_anchor:
+        raise ValueError("this block draft model drafts from the anchor's slot (DSpark's "
+                         "convention), which DFlash's readers do not: save it with save_dspark")
     path = pathlib.Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     flat = {p: np.asarray(jax.device_get(x)) for p, x in _flat(head.params).items()}
@@ -100,6 +114,76 @@ def save_dflash(head: BlockHead, path, *, num_target_layers: int) -> None:
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
+def _policy_lm_head(policy) -> tuple[np.ndarray, np.ndarray]:
+    """(embed_tokens [V, H], lm_head [V, H]) of the policy, host arrays."""
+    embed = np.asarray(jax.device_get(policy.params["embed_tokens"][...]))
+    if policy.config.tie_embeddings:
+        return embed, embed
+    return embed, np.asarray(jax.device_get(policy.params["lm_head"][...])).T
+
+
+def check_dspark_layers(ids, num_target_layers: int) -> tuple[int, ...]:
+    """DeepSpec's rule for target_layer_ids: layer outputs in [0, L - 1], strictly
+    increasing (its `-1`, the embedding output, is not a layer jaxspec captures)."""
+    ids = tuple(int(i) for i in ids)
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if not ids or bad or any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"target_layer_ids {list(ids)}: DSpark needs policy layers in [0, "
+                         f"{num_target_layers - 1}], strictly increasing")
+    return ids
+
+
+def save_dspark(head: BlockHead, path, *, policy, num_anchors: int = 512) -> None:
+    """config.json + model.safetensors in DeepSpec's DSpark layout (`Qwen3DSparkModel`), with
+    the policy's embedding and LM head as the model's own. `head` must draft from the anchor's
+    slot (`sample_from_anchor`), as DSpark's readers do; `num_anchors` (DeepSpec's training
+    blocks per sequence) is recorded for its trainer."""
+    from safetensors.numpy import save_file
+
+    from jaxspec.models.hf import config_to_hf
+
+    cfg = head.config
+    pc = policy.config
+    if not cfg.sample_from_anchor:
+        raise ValueError("this block draft model drafts token i from slot i (DFlash's "
+                         "convention); DSpark's readers draft token i + 1 there: train it with "
+                         "sample_from_anchor=True, or save it with save_dflash")
+    if cfg.target_hidden_size != cfg.hidden_size or pc.hidden_size != cfg.hidden_size:
+        raise ValueError(f"DSpark's body is as wide as its target: hidden_size "
+                         f"{cfg.hidden_size}, target {pc.hidden_size}")
+    ids = check_dspark_layers(cfg.capture_layers, pc.num_layers)
+    path = pathlib.Path(path).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    flat = {p: np.asarray(jax.device_get(x)) for p, x in _flat(head.params).items()}
+    tensors = {name: np.ascontiguousarray(to_hf(flat[p])) for name, p, to_hf, _ in _table(cfg)}
+    embed, lm_head = _policy_lm_head(policy)
+    dtype = np.dtype(cfg.layer.param_dtype)
+    tensors["embed_tokens.weight"] = np.ascontiguousarray(embed.astype(dtype))
+    tensors["lm_head.weight"] = np.ascontiguousarray(lm_head.astype(dtype))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = config_to_hf(cfg.layer)
+    hf.update(
+        architectures=[DSPARK_ARCH], model_type="qwen3", block_size=cfg.block_size,
+        num_target_layers=int(pc.num_layers), tie_word_embeddings=False,
+        layer_types=["full_attention"] * cfg.layer.num_layers, target_layer_ids=list(ids),
+        mask_token_id=cfg.mask_token_id, num_anchors=int(num_anchors),
+        enable_confidence_head=cfg.confidence, markov_rank=cfg.markov_rank)
+    if cfg.confidence:
+        hf["confidence_head_with_markov"] = cfg.markov_rank > 0
+    if cfg.markov_rank:
+        hf["markov_head_type"] = "vanilla"
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+def save_block(head: BlockHead, path, *, policy) -> None:
+    """The layout the head's slot convention is read in: DSpark's when it drafts from the
+    anchor's slot, else DFlash's."""
+    if head.config.sample_from_anchor:
+        save_dspark(head, path, policy=policy)
+    else:
+        save_dflash(head, path, num_target_layers=policy.config.num_layers)
+
+
 def _config(path: pathlib.Path, dtype, attention_backend) -> BlockConfig:
     from jaxspec.models.hf import _read_json, config_from_hf
 
@@ -110,13 +194,32 @@ def _config(path: pathlib.Path, dtype, attention_backend) -> BlockConfig:
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: a DFlash draft needs config.json")
     hf = _read_json(file)
-    dc = hf.get("dflash_config") or {}
-    ids = dc.get("target_layer_ids")
-    mask = dc.get("mask_token_id", hf.get("mask_token_id"))
-    block = dc.get("block_size", hf.get("block_size"))
-    if ids is None or mask is None or block is None:
-        raise HFCheckpointError(f"{file}: dflash_config needs target_layer_ids, mask_token_id and "
-                                f"block_size; got {dc!r}")
+    dspark = _is_dspark(hf)
+    if dspark:
+        missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "num_anchors",
+                               "enable_confidence_head", "markov_rank", "num_target_layers")
+                   if k not in hf]
+        if hf.get("markov_rank") and "markov_head_type" not in hf:
+            missing.append("markov_head_type")
+        if hf.get("enable_confidence_head") and "confidence_head_with_markov" not in hf:
+            missing.append("confidence_head_with_markov")
+        if missing:
+            raise HFCheckpointError(f"{file}: a {DSPARK_ARCH} config needs {missing}")
+        ids, mask, block = hf["target_layer_ids"], hf["mask_token_id"], hf["block_size"]
+        try:
+            check_dspark_layers(ids, int(hf["num_target_layers"]))
+        except ValueError as e:
+            raise HFCheckpointError(f"{file}: {e}") from None
+        confidence = bool(hf["enable_confidence_head"])
+    else:
+        dc = hf.get("dflash_config") or {}
+        ids = dc.get("target_layer_ids")
+        mask = dc.get("mask_token_id", hf.get("mask_token_id"))
+        block = dc.get("block_size", hf.get("block_size"))
+        if ids is None or mask is None or block is None:
+            raise HFCheckpointError(f"{file}: dflash_config needs target_layer_ids, mask_token_id "
+                                    f"and block_size; got {dc!r}")
+        confidence = bool(hf.get("confidence_head", False))
     layer = config_from_hf({**hf, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
                            dtype=dtype or "float32", attention_backend=attention_backend)
     layer = layer.replace(tie_embeddings=False)
@@ -126,9 +229,22 @@ def _config(path: pathlib.Path, dtype, attention_backend) -> BlockConfig:
     try:
         return BlockConfig(layer, int(block), int(hf.get("target_hidden_size") or layer.hidden_size),
                            tuple(int(i) for i in ids), int(mask), int(hf.get("markov_rank") or 0),
-                           bool(hf.get("confidence_head", False)))
+                           confidence, sample_from_anchor=dspark)
     except (TypeError, ValueError) as e:
-        raise HFCheckpointError(f"{file} describes an invalid DFlash draft: {e}") from None
+        raise HFCheckpointError(f"{file} describes an invalid block draft: {e}") from None
+
+
+def _is_dspark(hf: dict) -> bool:
+    return DSPARK_ARCH in (hf.get("architectures") or ())
+
+
+def _confidence_without_markov(path: pathlib.Path, cfg: BlockConfig) -> bool:
+    """A DSpark confidence head that reads the hidden state alone (no Markov embedding)."""
+    from jaxspec.models.hf import _read_json
+
+    hf = _read_json(path / "config.json")
+    return (_is_dspark(hf) and cfg.confidence and cfg.markov_rank > 0
+            and not hf.get("confidence_head_with_markov"))
 
 
 def _read(path: pathlib.Path, cfg: BlockConfig, *, weights: bool):
@@ -146,13 +262,18 @@ def _read(path: pathlib.Path, cfg: BlockConfig, *, weights: bool):
     abstract = jax.eval_shape(lambda: BlockHead.init(cfg, jax.random.key(0)))
     ours = _flat(abstract.params)
     expected = {name: jax.eval_shape(to_hf, ours[p]).shape for name, p, to_hf, _ in _table(cfg)}
+    if cfg.sample_from_anchor:  # DSpark: the model's own copies of the target's
+        expected["embed_tokens.weight"] = expected["lm_head.weight"] = (cfg.vocab_size,
+                                                                        cfg.hidden_size)
+        if _confidence_without_markov(path, cfg):
+            expected["confidence_head.proj.weight"] = (1, cfg.hidden_size)
     shape = lambda x: tuple(x.shape) if weights else x  # noqa: E731
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     wrong = [f"{n}: checkpoint {shape(found[n])}, config {expected[n]}" for n in sorted(expected)
              if n in found and shape(found[n]) != tuple(expected[n])]
     if missing or unexpected or wrong:
-        raise HFCheckpointError(f"DFlash draft in {path} does not match its config: missing "
+        raise HFCheckpointError(f"block draft in {path} does not match its config: missing "
                                 f"{missing}, unexpected {unexpected}, wrong shapes {wrong}")
     return found, abstract
 
@@ -175,10 +296,16 @@ def inspect_dflash(path, model_config=None, *, dtype: str | None = None) -> Bloc
 
 
 def load_dflash(path, *, dtype: str | None = None, attention_backend: str = "reference") -> BlockHead:
-    """A BlockHead from a DFlash (or DSpark) directory (local only)."""
+    """A BlockHead from a DFlash directory or a DSpark one (DeepSpec's `Qwen3DSparkModel`,
+    drafting from the anchor's slot; its embedding and LM head, copies of the target's, are
+    not read: the policy's are used), local only."""
     path = pathlib.Path(path).expanduser()
     cfg = _config(path, dtype, attention_backend)
     tensors, abstract = _read(path, cfg, weights=True)
+    if cfg.sample_from_anchor and _confidence_without_markov(path, cfg):
+        w = np.asarray(tensors["confidence_head.proj.weight"])  # [1, H]: zero weight on the
+        tensors["confidence_head.proj.weight"] = np.concatenate(  # Markov embedding
+            [w, np.zeros((1, cfg.markov_rank), w.dtype)], axis=1)
     values = {p: to_ours(np.asarray(tensors[name])) for name, p, _, to_ours in _table(cfg)}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract.params)
     paths = list(_flat(abstract.params))

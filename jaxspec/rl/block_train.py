@@ -105,7 +105,8 @@ def block_loss(head, params, policy: Policy, features, tokens, positions, respon
     hc = head.config
     s = hc.block_size
     anchors, real = _anchors(response, tokens, cfg.anchors)
-    hidden = block_hidden(head, params, policy.embed, features, tokens, positions, anchors)
+    hidden = head.drafted(block_hidden(head, params, policy.embed, features, tokens, positions,
+                                       anchors))  # [B, A, S - 1, H]: token j after the anchor
     weight, axis = lm_head(policy)
     weight = jax.lax.stop_gradient(weight.T if axis == 0 else weight).astype(jnp.float32)  # [H, V]
     mh = dataclasses.replace(head, params=params)
@@ -117,7 +118,7 @@ def block_loss(head, params, policy: Policy, features, tokens, positions, respon
         previous = jnp.take_along_axis(tokens, at - 1, axis=1)  # teacher forcing
         tgt = jnp.take_along_axis(target_hidden, (at - 1)[..., None], axis=1)  # [B, A, H]
         p = jax.nn.softmax(jax.lax.stop_gradient(tgt).astype(jnp.float32) @ weight, axis=-1)
-        h = hidden[:, :, j]
+        h = hidden[:, :, j - 1]
         logits = h.astype(jnp.float32) @ weight + mh.markov_bias(previous)
         logq = jax.nn.log_softmax(logits, axis=-1)
         ce = -jnp.sum(p * logq, axis=-1)

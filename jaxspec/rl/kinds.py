@@ -223,9 +223,9 @@ def _block_loss_config(cfg):
 
 
 def _save_block(head, out_dir: str, *, policy, layout=None) -> None:
-    from jaxspec.models.block_formats import save_dflash
+    from jaxspec.models.block_formats import save_block
 
-    save_dflash(head, out_dir, num_target_layers=policy.config.num_layers)
+    save_block(head, out_dir, policy=policy)  # DFlash's layout, or DSpark's for its slots
 
 
 def _inspect_block(d, model_config, dtype: str) -> None:

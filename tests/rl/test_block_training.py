@@ -22,7 +22,7 @@ SAMPLING = SamplingConfig(0.5)
 def _setup():
     policy = random_policy(ModelConfig.tiny("qwen3", vocab_size=24, num_layers=3), seed=1)
     head = BlockHead.init_for(policy, jax.random.key(2), block_size=4, num_layers=1,
-                              markov_rank=8, confidence=True)
+                              capture_layers=(0, 1, 2), markov_rank=8, confidence=True)
     return policy, head
 
 
