@@ -283,7 +283,8 @@ def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | N
     """One line for the progress log, at most `width` columns, e.g.
     'step 3/40 | reward 0.412 | acc_len 2.31 | step 1.62s | gen 0.93s 57% | train 0.41s 25%'
     (with an online draft head, its next-token accuracy on the step's rollouts after acc_len:
-    'head_acc 0.91').
+    'head_acc 0.91'; with an MoE policy moe/routing_mismatch, 'route_diff 0.000', and any
+    moe/routing_gaps, 'route_gaps 3').
     The stages that take a quarter of the step or more (a compile: the draft's on the first
     step after a resume), then generation and training, then the others by time are shown (in
     pipeline order) as far as the width allows (the percentages, then generation and
@@ -297,6 +298,10 @@ def format_step_line(step: int, metrics: dict[str, Any], *, total_steps: int | N
         parts.append(f"acc_len {m['acceptance_length']:.2f}")
     if m.get("draft/acc_0") is not None:  # the online head's next-token accuracy this step
         parts.append(f"head_acc {m['draft/acc_0']:.2f}")
+    if m.get("moe/routing_mismatch") is not None:  # an MoE policy: generation vs training
+        parts.append(f"route_diff {m['moe/routing_mismatch']:.3f}")
+    if m.get("moe/routing_gaps"):  # fed tokens without a route record (0 expected)
+        parts.append(f"route_gaps {m['moe/routing_gaps']}")
     if m.get("time/step") is not None:
         parts.append(f"step {m['time/step']:.2f}s")
     stages = [k[len("time/"):] for k in m

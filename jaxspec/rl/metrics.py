@@ -54,6 +54,9 @@ def step_metrics(batch, grpo_metrics: dict, draft_metrics: dict, *,
     routing = float(getattr(batch, "routing_mismatch", math.nan))
     if not math.isnan(routing):  # an MoE policy: generation vs training routing
         m["moe/routing_mismatch"] = routing
+        gaps = float(getattr(batch, "routing_gaps", math.nan))
+        if not math.isnan(gaps):  # fed tokens with no route record: not in the mismatch
+            m["moe/routing_gaps"] = int(gaps)
     for k, v in grpo_metrics.items():
         m[f"grpo/{k}"] = float(v)
     for k, v in draft_metrics.items():

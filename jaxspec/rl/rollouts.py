@@ -46,6 +46,10 @@ class RolloutBatch:
     # [] float32 an MoE policy: fraction of fed rollout tokens whose experts differ between
     # the generation forward and the training forward (same params); NaN for a dense policy
     routing_mismatch: Any = np.float32(np.nan)
+    # [] float32 an MoE policy: fed rollout tokens (all but each row's last) the generation
+    # left without a complete route record, which routing_mismatch cannot count (0 expected;
+    # NaN for a dense policy)
+    routing_gaps: Any = np.float32(np.nan)
 
     def host(self) -> RolloutBatch:
         return jax.tree.map(np.asarray, self)
@@ -69,7 +73,7 @@ def abstract_batch(batch: int, prompt_len: int, new: int, depth: int,
                         ended=s((batch,), np.dtype(np.bool_)),
                         version=s((), i32), step=s((), i32), stats=stats,
                         plain_time_s=s((), f32), replay_identical=s((), f32),
-                        routing_mismatch=s((), f32))
+                        routing_mismatch=s((), f32), routing_gaps=s((), f32))
 
 
 def encode_prompts(tokenizer, texts: Sequence[str], prompt_len: int
@@ -158,6 +162,18 @@ def leaders_first(num_groups: int, group_size: int) -> np.ndarray:  # -> [num_gr
     every draw is keyed by rollout id and position."""
     return np.arange(num_groups * group_size, dtype=np.int32).reshape(
         num_groups, group_size).T.reshape(-1)
+
+
+def route_gaps(
+    routes,  # [B, N, L, K] int32 Rollouts.routes: the experts per generated token, -1: none
+    lengths,  # [B] int32 generated tokens per row
+) -> int:
+    """Generated tokens that a forward fed (every one but each row's last) whose route record
+    is missing in any layer (-1): the routing mismatch leaves them out, so each is a gap in
+    the record, not a match."""
+    routes, lengths = np.asarray(routes), np.asarray(lengths)
+    fed = np.arange(routes.shape[1])[None, :] < (lengths[:, None] - 1)
+    return int(np.sum(fed & np.any(routes < 0, axis=(2, 3))))
 
 
 def _speculates(drafter) -> bool:
@@ -275,10 +291,11 @@ class RolloutWorker:
             identical = float(np.mean(np.all(
                 (np.asarray(plain.tokens) == np.asarray(out.tokens)), axis=1)
                 & (np.asarray(plain.lengths) == np.asarray(out.lengths))))
-        routing = math.nan
+        routing, gaps = math.nan, math.nan
         if out.routes is not None:  # generation's routing against the training forward's
             routing = self.cluster.routing_mismatch(policy, (prompts, lengths, out.tokens,
                                                              out.lengths, out.routes))
+            gaps = route_gaps(out.routes, out.lengths)
         with timer.stage("reward"):
             tokens, gen_lengths = np.asarray(out.tokens), np.asarray(out.lengths)
             rewards = self.rewards(examples, tokens, gen_lengths)
@@ -288,7 +305,7 @@ class RolloutWorker:
             ended=self.ended(tokens, gen_lengths),
             version=np.int32(state.completed), step=np.int32(step), stats=out.stats,
             plain_time_s=np.float32(plain_time), replay_identical=np.float32(identical),
-            routing_mismatch=np.float32(routing)).host()
+            routing_mismatch=np.float32(routing), routing_gaps=np.float32(gaps)).host()
 
     def compile(self, state: RunState) -> None:
         """Compile speculative (and, when compared, plain) generation on the real shapes, so
