@@ -112,7 +112,33 @@ LONGEST_FIRST = (
 )
 
 
+# The quick tier (`python -m pytest -m quick -n 2`, README "Tests"): the files that guard the
+# promises (exactness: speculative == plain, lossless verification, HF parity; bad inputs:
+# one clear error before compiling; resume: bitwise, the config check, the finished run),
+# marked here whole, besides the tests marked `quick` one by one. The whole suite (CI's)
+# still runs every test.
+QUICK = (
+    "tests/decoding/test_engine.py",
+    "tests/decoding/test_verify.py",
+    "tests/decoding/test_sampling.py",
+    "tests/models/test_hf.py",
+    "tests/decoding/test_generate_errors.py",
+    "tests/rl/test_bad_inputs.py",
+    "tests/rl/test_prompt_lengths.py",
+    "tests/test_config.py",
+    "tests/test_draft_kinds.py",
+    "tests/rl/test_resume.py",
+    "tests/rl/test_resume_config.py",
+    "tests/test_checkpoint.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
+    quick = pytest.mark.quick
+    for item in items:
+        if item.nodeid.split("::")[0] in QUICK:
+            item.add_marker(quick)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
     if not _AS_USERS_RUN:
