@@ -190,3 +190,78 @@ def test_bad_choices_raise_one_clear_error():
         causal_attention(q, k, v, np.ones((B, T + 1), bool))
     with pytest.raises(ValueError, match="block=0"):
         causal_attention(q, k, v, _valid(), block=0)
+
+
+def test_bench_script_times_both_and_refuses_bad_input(tmp_path):
+    import json
+    import pathlib
+    import runpy
+
+    main = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "scripts" /
+                              "bench_flash.py"), run_name="not_main")["main"]
+    with pytest.raises(SystemExit):
+        main(["--heads", "8,3"])
+    with pytest.raises(SystemExit):
+        main(["--lengths", "12,x"])
+    out = tmp_path / "flash.json"
+    main(["--lengths", "24", "--heads", "2,1", "--head-dim", "8", "--rounds", "1",
+          "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["chunked", "dense"] and all(r["median_s"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(not __import__("jaxspec.gpu_targets").gpu_targets.plugin_installed(),
+                    reason="jax's CUDA plugin is not installed (pip install -e '.[gpu-aot]'): "
+                           "nothing can be compiled for a GPU here")
+def test_gpu_target_compiles_to_cudnn_kernels_without_t_by_t_arrays():
+    """On an H100 target (no GPU needed), "auto" for bfloat16 is cuDNN's fused attention:
+    forward and backward custom calls, no [T, T]-sized array in the optimized HLO."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxspec import gpu_targets
+    from jaxspec.kernels.platform import target_platform
+
+    t = 1024
+    mesh = gpu_targets.mesh("h100", {"data": 1})
+    spec = NamedSharding(mesh, PartitionSpec())
+    q = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16, sharding=spec)
+    kv = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16, sharding=spec)
+    valid = jax.ShapeDtypeStruct((1, t), jnp.bool_, sharding=spec)
+
+    def step(q, k, v, valid):
+        return jax.grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v, valid).astype(
+            jnp.float32) ** 2), argnums=(0, 1, 2))(q, k, v)
+
+    with target_platform("gpu"):
+        text = jax.jit(step).trace(q, kv, kv, valid).lower(
+            lowering_platforms=("cuda",)).compile().as_text()
+    calls = set(re.findall(r'custom_call_target="([^"]+)"', text))
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls
+    assert not [s for s in re.findall(r"\[([0-9,]+)\]", text)
+                if sum(int(n) >= t // 2 for n in s.split(",")) >= 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("left_pad", [0, 5])
+def test_cudnn_matches_chunked_on_a_gpu(left_pad):
+    """cuDNN against the chunked path (float32 inputs rounded to bfloat16 once), forward and
+    gradients on the real queries, right-padded rows and rows padded at both ends."""
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(8))
+    valid = np.ones((B, T), bool)
+    valid[:, T - 6:] = False
+    valid[1, :left_pad] = False
+    real = jnp.asarray(valid)[:, :, None, None]
+    w = jnp.asarray(np.random.default_rng(9).standard_normal((B, T, HQ, D)), jnp.float32) * real
+
+    def run(impl):
+        f = lambda q, k, v: causal_attention(q, k, v, valid, implementation=impl)
+        out = f(q, k, v)
+        grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w),
+                         argnums=(0, 1, 2))(q, k, v)
+        return out, grads
+
+    (out_a, grads_a), (out_b, grads_b) = run("cudnn"), run("chunked")
+    f32 = lambda x: np.asarray(x, np.float32)
+    np.testing.assert_allclose(f32(out_a * real), f32(out_b * real), atol=3e-2)
+    for a, b in zip(grads_a, grads_b):
+        np.testing.assert_allclose(f32(a), f32(b), atol=5e-2 * np.abs(f32(b)).max())
