@@ -200,10 +200,32 @@ def test_inspector_reports_the_estimate_of_a_compiled_decode_loop():
                                             attention_backend="auto")
     mesh = gpu_targets.mesh("h100", {"data": 1, "fsdp": 1, "tensor": 1})
     program = build_program("decode", cfg, batch=2, context=256, mesh=mesh)
-    report = inspect_program(program, "h100", mesh)
+    probe = inspect_program(program, "h100", mesh)["estimate"]["largest"][0]
+    measured = {estimate.kernel_key(probe["name"]): {"us": 50.0, "count": probe["count"]}}
+    report = inspect_program(program, "h100", mesh, measured=measured)
+    assert report["measured"]["matched"] == 1
+    assert report["measured"]["furthest"][0]["measured_us"] == 50.0 * probe["count"]
     est = report["estimate"]
     assert est["kernels"] == report["kernels_hlo"]
     assert est["time_ms"] >= report["time_at_bandwidth_ms"] + est["launch_ms"] - 1e-9
     share = report["thunks"]["in_command_buffer"] / report["thunks"]["kernels"]
     assert est["launch_ms"] == pytest.approx(
         1e3 * est["kernels"] * (share * G + (1 - share) * S))
+
+
+def test_inspector_refuses_a_profile_it_cannot_read(tmp_path, capsys):
+    """--profile is checked before anything compiles: a missing file, or JSON that is not
+    a scripts/gpu_profile.py profile, is one error line (exit 2)."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("inspect_gpu", root / "scripts" / "inspect_gpu.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    base = ["--config", str(root / "configs" / "qwen3_8b_shape.yaml"), "--target", "h200"]
+    assert script.main(base + ["--profile", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    assert script.main(base + ["--profile", str(tmp_path / "other.json")]) == 2
+    assert "no 'cases'" in capsys.readouterr().err
