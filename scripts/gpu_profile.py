@@ -26,6 +26,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -60,20 +61,29 @@ def _parse(argv):
                    help="start no case after this many seconds")
     p.add_argument("--json", required=True, help="write the profile here")
     p.add_argument("--hlo-dir", default=None, help="write each program's optimized HLO here")
+    p.add_argument("--trace-dir", default=None,
+                   help="keep each case's raw profile (.xplane.pb) here, to read again offline")
     return p.parse_args(argv)
 
 
+def _xplane(trace_dir: str) -> str:
+    """The profile file `trace_dir` is, or the newest one under it."""
+    if os.path.isfile(trace_dir):
+        return trace_dir
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        raise RuntimeError(f"no .xplane.pb under {trace_dir}: the profiler wrote nothing")
+    return max(files, key=os.path.getmtime)
+
+
 def kernel_events(trace_dir: str) -> list[dict]:
-    """The kernels of the profile under `trace_dir`: [{"name", "module", "start_ns",
+    """The kernels of the profile `trace_dir` (an .xplane.pb, or the newest under a folder): [{"name", "module", "start_ns",
     "end_ns", "line"}] sorted by start. On a GPU the device planes' stream lines (a
     kernel's `hlo_op`, else its kernel name); without one, the host's XLA op events
     (XLA:CPU's thunks) that contain no other."""
     from jax.profiler import ProfileData
 
-    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    if not files:
-        raise RuntimeError(f"no .xplane.pb under {trace_dir}: the profiler wrote nothing")
-    data = ProfileData.from_file(max(files, key=os.path.getmtime))
+    data = ProfileData.from_file(_xplane(trace_dir))
     gpu, host = [], []
     for plane in data.planes:
         on_gpu = plane.name.startswith("/device:GPU")
@@ -173,14 +183,18 @@ def summarize(events: list[dict], wall_s: float, iterations: int,
     }
 
 
-def _profiled(run, calls: int) -> tuple[list[dict], float]:
-    """(kernel events, wall seconds) of `calls` calls of `run` under the profiler."""
+def _profiled(run, calls: int, keep: str | None = None) -> tuple[list[dict], float]:
+    """(kernel events, wall seconds) of `calls` calls of `run` under the profiler; the raw
+    profile copied to the path `keep` when given."""
     with tempfile.TemporaryDirectory() as trace:
         with jax.profiler.trace(trace):
             start = time.perf_counter()
             for _ in range(calls):
                 run()
             wall = time.perf_counter() - start
+        if keep:
+            os.makedirs(os.path.dirname(keep), exist_ok=True)
+            shutil.copyfile(_xplane(trace), keep)
         return kernel_events(trace), wall
 
 
@@ -252,7 +266,8 @@ def profile_program(name: str, model, batch: int, args, key) -> dict:
             state["args"][1], state["args"][2] = cache, tokens
             jax.block_until_ready(tokens)
         run()
-        events, wall = _profiled(run, args.calls)
+        keep = os.path.join(args.trace_dir, f"{name}_b{batch}.xplane.pb") if args.trace_dir else None
+        events, wall = _profiled(run, args.calls, keep)
     text = compiled.as_text()
     module = hlo.parse(text)
     names = {estimate.kernel_key(i) for c in module.computations.values() for i in c.instructions}
@@ -266,20 +281,31 @@ def profile_program(name: str, model, batch: int, args, key) -> dict:
             **summarize(events, wall, args.calls * inspect.LOOP_STEPS, names)}
     target = _device_target()
     if target is not None:
-        from jaxspec import gpu_targets
-
-        cost = max(hlo.loop_costs(module, lambda inst: program.unknown_trip,
-                                  custom_reads=inspect.stacked_attention_reads),
-                   key=lambda c: c.bytes)
-        share = thunks["in_command_buffer"] / thunks["kernels"] if thunks and thunks["kernels"] \
-            else None
-        kernels = estimate.estimate_loop(module, cost, gpu_targets.target(target), share)
-        measured = {estimate.kernel_key(k["name"]): {"us": k["us_per_call"],
-                                                     "count": k["calls"] / case["iterations"]}
-                    for k in case["kernels"]}
-        case["estimate"] = estimate.summary(kernels)
-        case["measured_vs_estimated"] = estimate.compare(kernels, measured)
+        try:  # the measured case is kept whatever happens here
+            case.update(_estimated(module, program, case, target, thunks, args.calls))
+        except Exception as e:
+            case["estimate_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return case
+
+
+def _estimated(module, program, case: dict, target: str, thunks, calls: int) -> dict:
+    """The estimate of the program's own optimized HLO on `target`, per iteration of its
+    loop (per call where XLA left no loop), and the case's measured kernels beside it."""
+    from jaxspec import gpu_targets
+    from jaxspec.gpu_targets import estimate, hlo, inspect
+
+    trip = lambda inst: program.unknown_trip
+    loops = hlo.loop_costs(module, trip, custom_reads=inspect.stacked_attention_reads)
+    if loops:
+        cost, per = max(loops, key=lambda c: c.bytes), case["iterations"]
+    else:
+        cost, per = hlo.program_cost(module, trip, custom_reads=inspect.stacked_attention_reads), calls
+    share = thunks["in_command_buffer"] / thunks["kernels"] if thunks and thunks["kernels"] else None
+    kernels = estimate.estimate_loop(module, cost, gpu_targets.target(target), share)
+    measured = {estimate.kernel_key(k["name"]): {"us": k["us_per_call"], "count": k["calls"] / per}
+                for k in case["kernels"]}
+    return {"estimate": estimate.summary(kernels), "estimate_per": "iteration" if loops else "call",
+            "measured_vs_estimated": estimate.compare(kernels, measured)}
 
 
 def profile_engine(model, batch: int, args, key, policy) -> list[dict]:
@@ -306,7 +332,8 @@ def profile_engine(model, batch: int, args, key, policy) -> list[dict]:
             jax.block_until_ready(out.tokens)
             run.out = out
         run()  # compile
-        events, wall = _profiled(run, 1)
+        keep = os.path.join(args.trace_dir, f"{mode}_b{batch}.xplane.pb") if args.trace_dir else None
+        events, wall = _profiled(run, 1, keep)
         new = int(np.asarray(run.out.lengths).sum())
         cases.append({"program": mode, "batch": batch, "new_tokens": new,
                       "acceptance_length": float(getattr(run.out.stats, "acceptance_length", 1.0)),

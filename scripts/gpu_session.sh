@@ -146,10 +146,10 @@ profile)
   # Issue 50: where the 8B verify's 2.67x-its-floor time goes. Cases run by priority (batch
   # 64 first) until --budget-s; the JSON is rewritten after each, so a limit keeps the rest.
   report_env
-  TAIL=40 step profile_8b 430 python3 scripts/gpu_profile.py --config configs/qwen3_8b_shape.yaml \
-    --batches 64,1 --context 2048 --calls 3 --new-tokens 32 --budget-s 330 \
-    --json "$out/profile_8b.json" --hlo-dir "$out/profile_hlo"
-  gzip -f "$out"/profile_hlo/*.hlo.txt 2>/dev/null
+  TAIL=40 step profile_8b 450 python3 scripts/gpu_profile.py --config configs/qwen3_8b_shape.yaml \
+    --batches 64,1 --context 2048 --calls 3 --new-tokens 32 --budget-s 360 \
+    --json "$out/profile_8b.json" --hlo-dir "$out/profile_hlo" --trace-dir "$out/profile_trace"
+  gzip -f "$out"/profile_hlo/*.hlo.txt "$out"/profile_trace/*.xplane.pb 2>/dev/null
   ;;
 *) echo "unknown phase $phase: check | tests | kernels | train | rollout | rollout_invariant | kernels_b64 | engine | engine2 | fused | short | profile"; exit 2 ;;
 esac

@@ -18,15 +18,20 @@ def _script():
     return module
 
 
-def test_profile_on_cpu_writes_per_kernel_times(tmp_path):
+def test_profile_on_cpu_writes_per_kernel_times(tmp_path, monkeypatch):
     from jaxspec.gpu_targets import estimate
 
     out = tmp_path / "profile.json"
     hlo_dir = tmp_path / "hlo"
-    assert _script().main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set",
-                           "model.num_layers=2", "--batches", "2", "--context", "64",
-                           "--calls", "1", "--new-tokens", "8", "--programs", "decode,engine",
-                           "--json", str(out), "--hlo-dir", str(hlo_dir)]) == 0
+    script = _script()
+    # The estimate beside the measured kernels runs on a known GPU only: here it reads the
+    # CPU program's HLO as if it ran on an H200 (the code path, not the figures).
+    monkeypatch.setattr(script, "_device_target", lambda: "h200")
+    assert script.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--set",
+                        "model.num_layers=2", "--batches", "2", "--context", "64",
+                        "--calls", "1", "--new-tokens", "8", "--programs", "decode,engine",
+                        "--json", str(out), "--hlo-dir", str(hlo_dir),
+                        "--trace-dir", str(tmp_path / "trace")]) == 0
     result = json.loads(out.read_text())
     assert result["platform"] == "cpu" and result["read_bandwidth_gbps"] > 0
     assert result["skipped"] == []
@@ -47,6 +52,14 @@ def test_profile_on_cpu_writes_per_kernel_times(tmp_path):
     text = (hlo_dir / "decode_b2.hlo.txt").read_text()
     named = [k for k in decode["kernels"] if f"%{k['name']} " in text]
     assert sum(k["total_us"] for k in named) >= 0.9 * sum(k["total_us"] for k in decode["kernels"])
+    # The raw profile is kept and reads back to the same kernels.
+    again = script.kernel_events(str(tmp_path / "trace" / "decode_b2.xplane.pb"))
+    assert len(again) == decode["kernel_launches"]
+    # The estimate of the program's own HLO, with every measured kernel matched to it.
+    assert "estimate_error" not in decode and decode["estimate_per"] == "iteration"
+    versus = decode["measured_vs_estimated"]
+    assert versus["matched"] >= 1 and versus["measured_us"] > 0
+    assert versus["matched"] <= versus["estimated_kernels"] <= decode["estimate"]["kernels"]
     # The engine: plain, then perfect oracle drafts (k = 3) in fewer forwards.
     plain, spec = cases["engine_plain"], cases["engine_k3"]
     assert plain["new_tokens"] == spec["new_tokens"] == 2 * 8
