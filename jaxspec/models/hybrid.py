@@ -47,7 +47,7 @@ from jaxspec.models.gated_deltanet import (
 from jaxspec.models.layers import INIT_STD, MLP, logical_param
 from jaxspec.models.moe import MoE
 
-__all__ = ["GatedAttention", "GatedDeltaNet", "HybridCache", "HybridPolicy",
+__all__ = ["DeltaSteps", "GatedAttention", "GatedDeltaNet", "HybridCache", "HybridPolicy",
            "HybridTransformer", "layer_plan", "random_hybrid_policy"]
 
 _STACKS = ("linear_layers", "full_layers", "mlps", "moes")
@@ -147,15 +147,19 @@ class GatedDeltaNet(nnx.Module):
         counts,  # [B] int32: real tokens per row
         conv_state,  # [B, conv_dim, K-1]
         state,  # [B, Hv, dk, dv] float32
-    ):  # -> (x [B, T, H], conv_state, state)
+        defer: bool = False,
+    ):  # -> (x [B, T, H], conv_state, state, steps: DeltaSteps of this layer or None)
+        """defer=True (a verify): the recurrent rule, the states returned as they came in,
+        and the per-token inputs of the rule for `DeltaSteps.commit` to apply once the
+        accepted count is known."""
         cfg = self.config
         b, t, _ = x.shape
         dtype = x.dtype
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         h = jnp.take_along_axis(self.input_layernorm(x), order[:, :, None], axis=1)
-        mixed, z, beta_in, rate_in = self.project(h)
-        conv, conv_state = causal_conv(mixed, conv_state, self.conv_weight[...], counts)
+        inputs, z, beta_in, rate_in = self.project(h)
+        conv, new_conv_state = causal_conv(inputs, conv_state, self.conv_weight[...], counts)
         mixed = jax.nn.silu(conv).astype(dtype)
         q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
         q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
@@ -166,8 +170,14 @@ class GatedDeltaNet(nnx.Module):
         rate = jax.nn.softplus(rate_in.astype(jnp.float32)
                                + self.dt_bias[...].astype(jnp.float32))
         g = jnp.where(real, -jnp.exp(self.A_log[...].astype(jnp.float32)) * rate, 0.0)
-        rule = delta_rule_recurrent if t == 1 else delta_rule_chunked
-        out, state = rule(q, k, v, g, beta, state)
+        rule = delta_rule_recurrent if t == 1 or defer else delta_rule_chunked
+        out, new_state = rule(q, k, v, g, beta, state)
+        if defer:
+            window = jnp.concatenate([conv_state, jnp.swapaxes(inputs, 1, 2).astype(
+                conv_state.dtype)], axis=-1)
+            steps = DeltaSteps(q=q, k=k, v=v, g=g, beta=beta, window=window)
+        else:
+            steps, conv_state, state = None, new_conv_state, new_state
         out = out.astype(dtype)
         # the gated RMSNorm: normed in float32, scaled in the dtype, gated by silu(z) in float32
         out32 = out.astype(jnp.float32)
@@ -177,7 +187,7 @@ class GatedDeltaNet(nnx.Module):
                  * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
         y = gated.reshape(b, t, hv * dv) @ self.out_proj[...]
         inverse = jnp.argsort(order, axis=1)
-        return x + jnp.take_along_axis(y, inverse[:, :, None], axis=1), conv_state, state
+        return x + jnp.take_along_axis(y, inverse[:, :, None], axis=1), conv_state, state, steps
 
 
 def rope_partial_inv_freq(config: ModelConfig) -> np.ndarray:  # -> [rotary_dim // 2] float32
@@ -302,7 +312,9 @@ class HybridTransformer(nnx.Module):
         mask,  # [B, T, T] bool (causal among the real tokens)
         capture: tuple[int, ...] = (),
         head: bool = True,
-    ):  # -> (logits [B, T, V] f32 or hidden [B, T, H], {layer: [B, T, H]}, HybridCache)
+        defer: bool = False,
+    ):  # -> (logits [B, T, V] f32 or hidden [B, T, H], {layer: [B, T, H]}, HybridCache,
+        #     DeltaSteps or None); defer: see GatedDeltaNet
         cfg = self.config
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
         valid, mask = new_token_mask(positions, mask)
@@ -316,11 +328,13 @@ class HybridTransformer(nnx.Module):
             graphdef, params = split[name]
             return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], params))
 
-        convs, states, keys, values, captured = [], [], [], [], {}
+        convs, states, keys, values, steps, captured = [], [], [], [], [], {}
         for i, (mixer, m, ffn, f) in enumerate(layer_plan(cfg)):
             if mixer == "linear_layers":
-                x, conv, state = layer(mixer, m)(x, order, counts, cache.conv[m], cache.state[m])
+                x, conv, state, step = layer(mixer, m)(x, order, counts, cache.conv[m],
+                                                       cache.state[m], defer)
                 convs.append(conv)
+                steps.append(step)
                 states.append(state)
             else:
                 x, k, v = layer(mixer, m)(x, positions, cache.kv.k[m], cache.kv.v[m], lengths, mask)
@@ -339,7 +353,9 @@ class HybridTransformer(nnx.Module):
         kv = kv.advance(valid)
         cache = HybridCache(kv=kv, conv=jnp.stack(convs) if convs else cache.conv,
                             state=jnp.stack(states) if states else cache.state)
-        return x, captured, cache
+        if defer and steps:
+            steps = jax.tree.map(lambda *a: jnp.stack(a), *steps)
+        return x, captured, cache, steps if defer else None
 
 
 # --------------------------------------------------------------------------- cache
@@ -396,11 +412,52 @@ class HybridCache:
 # --------------------------------------------------------------------------- policy
 
 
-@functools.partial(jax.jit, static_argnames=("capture", "head", "stateless"))
-def _forward(policy, tokens, positions, cache, mask, capture, head, stateless):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeltaSteps:
+    """A verify's per-token inputs of every linear layer's rule and convolution (a forward
+    with defer_state=True), from which `commit` sets the states after the accepted prefix."""
+
+    q: jax.Array  # [L_linear, B, T, Hk, dk] float32, L2-normed and scaled
+    k: jax.Array  # [L_linear, B, T, Hk, dk] float32, L2-normed
+    v: jax.Array  # [L_linear, B, T, Hv, dv]
+    g: jax.Array  # [L_linear, B, T, Hv] float32 (0 at padding)
+    beta: jax.Array  # [L_linear, B, T, Hv] float32 (0 at padding)
+    window: jax.Array  # [L_linear, B, conv_dim, K-1+T]: the conv state, then the T inputs
+
+    def commit(
+        self,
+        cache: HybridCache,
+        accepted,  # [B] int32: the fed tokens (real ones, in order) whose updates are kept
+    ) -> HybridCache:
+        """The cache with each linear layer's states after the row's first `accepted` fed
+        tokens: the rule re-applied from the committed state with the later tokens' updates
+        made the identity (decay exp(0) = 1, rate 0: bit for bit no change), the convolution
+        state cut from the window. Costs one more read and write of the states, not one
+        state per drafted position (docs/design.md, "Hybrid policies"). The KV cache and the
+        lengths are left to `jaxspec.models.cache.compact`."""
+        t = self.g.shape[2]
+        keep = (jnp.arange(t)[None, :] < accepted[:, None])[..., None]  # [B, T, 1]
+
+        def one(state, q, k, v, g, beta):
+            return delta_rule_recurrent(q, k, v, jnp.where(keep, g, 0.0),
+                                        jnp.where(keep, beta, 0.0), state)[1]
+
+        state = jnp.stack([one(cache.state[i], self.q[i], self.k[i], self.v[i], self.g[i],
+                               self.beta[i]) for i in range(self.g.shape[0])])
+        width = cache.conv.shape[-1]
+        at = accepted[:, None] + jnp.arange(width)[None, :]  # [B, K-1]
+        at = jnp.broadcast_to(at[None, :, None, :], self.window.shape[:-1] + (width,))
+        conv = jnp.take_along_axis(self.window, at, axis=-1)
+        return dataclasses.replace(cache, conv=conv, state=state)
+
+
+@functools.partial(jax.jit, static_argnames=("capture", "head", "stateless", "defer"))
+def _forward(policy, tokens, positions, cache, mask, capture, head, stateless, defer=False):
     model = nnx.merge(policy.graphdef, policy.params)
-    logits, captured, cache = model(tokens, positions, cache, mask, capture, head)
-    return logits, captured, None if stateless else cache
+    logits, captured, cache, steps = model(tokens, positions, cache, mask, capture, head, defer)
+    out = (logits, captured, None if stateless else cache)
+    return out + (steps,) if defer else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,11 +516,17 @@ class HybridPolicy:
         mask=None,  # None, or [B, T, T] bool that must be causal (no trees: module docstring)
         capture: tuple[int, ...] = (),
         head: bool = True,
+        defer_state: bool = False,
     ):
         """-> (logits [B,T,V] float32 (head=False: final-normed hidden [B,T,H]), {layer:
         hidden [B,T,H]}, cache). A forward of several tokens runs the chunked delta rule, of
         one token the recurrent one. With cache=None the states start at zero and None is
-        returned."""
+        returned.
+
+        defer_state=True (a speculative verify) runs the recurrent rule, writes the KV
+        cache and lengths as usual but leaves the linear layers' states as they were, and
+        appends `DeltaSteps`: once the accepted count is known, `steps.commit(cache,
+        accepted)` sets the states after exactly that prefix (`compact` trims the KV)."""
         cfg = self.config
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
         if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -482,6 +545,8 @@ class HybridPolicy:
                     "node); pass mask=None")
             mask = None
         stateless = cache is None
+        if defer_state and stateless:
+            raise ValueError("forward(defer_state=True) needs a cache to defer its states in")
         if stateless:
             cache = HybridCache.zeros(cfg, b, 0)
         elif cache.batch != b:
@@ -494,7 +559,8 @@ class HybridPolicy:
                     f"forward would write past the cache: rows {over.tolist()} need "
                     f"{need[over].tolist()} slots, max_len={cache.max_len}")
         with matmul_precision(cfg.dtype):
-            return _forward(self, tokens, positions, cache, None, capture, bool(head), stateless)
+            return _forward(self, tokens, positions, cache, None, capture, bool(head), stateless,
+                            bool(defer_state))
 
 
 jax.tree_util.register_dataclass(HybridPolicy)

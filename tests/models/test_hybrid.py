@@ -3,6 +3,7 @@ Qwen3NextForCausalLM (their pure-PyTorch chunked and recurrent gated delta rule 
 conv1d are the oracle), the chunked form against the recurrent one through the cache, and
 the checkpoint round trip."""
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -267,3 +268,63 @@ def test_generate_refuses_a_hybrid_policy_before_compiling():
     policy = HybridPolicy.abstract(ModelConfig.tiny("qwen3_next"))  # no weights: nothing runs
     with pytest.raises(ValueError, match="family 'qwen3_next'"):
         generate(policy, [[1, 2]], max_new_tokens=4, key=jax.random.key(0))
+
+
+def _speculative_greedy(policy, prompt, n_new, k, keep_whole_draft=False):
+    """Greedy speculative decoding at the model level: draft k tokens (the plain greedy
+    continuation, every third draft token corrupted, so some drafts are rejected), verify
+    root + draft in one deferred-state forward, accept the matching prefix, commit the
+    linear layers' states after the accepted fed tokens and trim the KV cache
+    (`compact`). keep_whole_draft: the negative control, states after the whole draft."""
+    from jaxspec.models.cache import compact
+
+    plain = _greedy(policy, prompt, n_new + k + 1)
+    b, p = prompt.shape
+    cache = policy.init_cache(b, p + n_new + k + 2)
+    _, _, cache = policy.forward(prompt[:, :-1], np.broadcast_to(np.arange(p - 1), (b, p - 1)),
+                                 cache)
+    out, root, rng, counts = [], prompt[:, -1:], np.random.default_rng(0), []
+    while len(out) < n_new:
+        at = len(out)
+        draft = plain[:, at:at + k].copy()
+        draft[:, rng.random(k) < 0.35] += 1  # corrupted: rejected there
+        fed = np.concatenate([root, draft % policy.config.vocab_size], axis=1)
+        pos = np.broadcast_to(np.arange(p - 1 + at, p + at + k), (b, k + 1))
+        logits, _, cache, steps = policy.forward(fed, pos, cache, defer_state=True)
+        choice = np.asarray(jnp.argmax(logits, -1))  # [B, k+1]
+        match = np.cumprod(choice[:, :k] == fed[:, 1:], axis=1).sum(1)  # accepted drafts
+        n = int(match.min())  # one count for the batch keeps the rows aligned
+        counts.append(n)
+        accepted = np.full((b,), k + 1 if keep_whole_draft else n + 1, np.int32)
+        cache = steps.commit(cache, jnp.asarray(accepted))
+        kept = np.where(np.arange(k + 1)[None] <= n, np.arange(k + 1)[None], -1)
+        cache = dataclasses.replace(cache, kv=compact(cache.kv, np.broadcast_to(kept, (b, k + 1)),
+                                                      num_fed=k + 1, prefix=True))
+        emitted = np.concatenate([fed[:, 1:n + 1], choice[:, n:n + 1]], axis=1)
+        out.extend(emitted.T)
+        root = emitted[:, -1:]
+    return np.stack(out[:n_new], axis=1), plain[:, :n_new], counts
+
+
+def _greedy(policy, prompt, n_new):
+    b, p = prompt.shape
+    cache = policy.init_cache(b, p + n_new + 1)
+    logits, _, cache = policy.forward(prompt, np.broadcast_to(np.arange(p), (b, p)), cache)
+    out = [np.asarray(jnp.argmax(logits[:, -1], -1))]
+    for i in range(n_new - 1):
+        logits, _, cache = policy.forward(out[-1][:, None], np.full((b, 1), p + i), cache)
+        out.append(np.asarray(jnp.argmax(logits[:, -1], -1)))
+    return np.stack(out, axis=1)
+
+
+def test_speculative_greedy_equals_plain_and_keeping_the_whole_draft_does_not():
+    """Verify k + 1 tokens, keep exactly the accepted prefix's recurrent and convolution
+    states (DeltaSteps.commit): the tokens equal plain greedy decoding's, token for token.
+    Negative control: keeping the states after the whole draft changes them."""
+    policy = random_hybrid_policy(ModelConfig.tiny("qwen3_5"), seed=7)
+    prompt = _tokens(2, 5, seed=8) % policy.config.vocab_size
+    spec, plain, accepted = _speculative_greedy(policy, prompt, n_new=14, k=3)
+    assert min(accepted) < 3 and max(accepted) > 0  # drafts both rejected and accepted
+    np.testing.assert_array_equal(spec, plain)
+    wrong, plain, _ = _speculative_greedy(policy, prompt, n_new=14, k=3, keep_whole_draft=True)
+    assert not np.array_equal(wrong, plain)
