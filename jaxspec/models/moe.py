@@ -24,6 +24,14 @@ picked, which is what a memory-bound decode step should cost. Larger forwards ta
   block of padding per expert) on every backend;
 - "dense": every expert over every token, the unchosen ones weighted 0 (E / top-k times the
   FLOPs): the reference the tests compare the grouped paths with.
+On one GPU (a forward built for the platform "gpu", kernels.platform, on at most one device)
+two paths read the expert weights in place instead: "blocked" runs `_grouped`, the Pallas
+grouped matmul of jaxspec.kernels.grouped (each routed expert's weights read once from the
+stacked [E, H, I] arrays, an empty expert not at all; its backward is Pallas too), and a
+decode-sized forward runs `_gathered_reduce`, whose products are summed by reductions that
+XLA fuses the expert gathers into (einsum's matmuls take a gathered copy of the weights
+first: 2-3x the bytes). On a mesh of several devices the XLA paths stay (XLA cannot
+partition the kernel's custom call). docs/BENCHMARKS.md has the compiled programs' bytes.
 With `batch_invariant` every product is a per-row `tree_sum` over the gathered expert's
 weights (jaxspec.kernels.invariant), so a token's output never depends on the other tokens
 routed with it (a grouped matmul's tiling does: the group sizes change with the batch).
