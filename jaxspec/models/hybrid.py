@@ -425,6 +425,7 @@ class DeltaSteps:
     beta: jax.Array  # [L_linear, B, T, Hv] float32 (0 at padding)
     window: jax.Array  # [L_linear, B, conv_dim, K-1+T]: the conv state, then the T inputs
 
+    @jax.jit
     def commit(
         self,
         cache: HybridCache,

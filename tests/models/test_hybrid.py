@@ -65,7 +65,7 @@ def _tokens(b, t, seed=0):
 
 def _hf_logits(model, tokens):
     with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
+        return model(torch.tensor(tokens)).logits.float().numpy()
 
 
 def _hf_recurrent_logits(model, tokens):
@@ -328,3 +328,49 @@ def test_speculative_greedy_equals_plain_and_keeping_the_whole_draft_does_not():
     np.testing.assert_array_equal(spec, plain)
     wrong, plain, _ = _speculative_greedy(policy, prompt, n_new=14, k=3, keep_whole_draft=True)
     assert not np.array_equal(wrong, plain)
+
+
+def test_chunked_rule_gradients_equal_the_recurrent_ones():
+    """Training differentiates the chunked form (its triangular solve included): its
+    gradients with respect to every input equal the token-by-token form's."""
+    rng = np.random.default_rng(1)
+    b, t, hk, hv, dk, dv = 1, 9, 1, 2, 4, 3
+    q = rng.standard_normal((b, t, hk, dk)).astype(np.float32) / 2
+    k = rng.standard_normal((b, t, hk, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((b, t, hv, dv)).astype(np.float32)
+    g = -rng.uniform(0, 1, (b, t, hv)).astype(np.float32)
+    beta = rng.uniform(0, 1, (b, t, hv)).astype(np.float32)
+    s0 = rng.standard_normal((b, hv, dk, dv)).astype(np.float32)
+    weights = rng.standard_normal((b, t, hv, dv)).astype(np.float32)
+
+    def loss(rule, *args):
+        out, state = rule(*args)
+        return jnp.sum(out * weights) + jnp.sum(state ** 2)
+
+    with jax.default_matmul_precision("highest"):
+        chunked = jax.grad(lambda *a: loss(lambda *x: delta_rule_chunked(*x, chunk=4), *a),
+                           argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+        recurrent = jax.grad(lambda *a: loss(delta_rule_recurrent, *a),
+                             argnums=tuple(range(6)))(q, k, v, g, beta, s0)
+    for a, b_ in zip(chunked, recurrent):
+        assert np.abs(np.asarray(b_)).max() > 1e-2
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=5e-5, rtol=1e-5)
+
+
+def test_bfloat16_logits_within_transformers_bfloat16_rounding(tmp_path):
+    """A bfloat16 policy is as close to the float32 model as transformers' bfloat16 model is
+    (the two round in different places: our convolution and norms keep float32 longer)."""
+    model = _hf_model("qwen3_5", (L, L, F))
+    model.save_pretrained(tmp_path)
+    tokens = _tokens(2, 12, seed=9)
+    want = _hf_logits(model, tokens)
+    theirs = np.abs(_hf_logits(model.to(torch.bfloat16), tokens) - want)
+    policy = load_hf(tmp_path, dtype="bfloat16")
+    assert policy.config.dtype == "bfloat16"
+    ours = np.abs(np.asarray(policy.forward(tokens, np.broadcast_to(np.arange(12), (2, 12)))[0])
+                  - want)
+    print(f"bf16 vs the float32 model: ours max {ours.max():.3f} mean {ours.mean():.4f}; "
+          f"transformers' max {theirs.max():.3f} mean {theirs.mean():.4f}")
+    assert ours.max() < 1.5 * theirs.max() and ours.mean() < 1.5 * theirs.mean()
+    assert ours.max() > 1e-3  # it did round
