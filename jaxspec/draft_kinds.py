@@ -19,7 +19,7 @@ from jaxspec.decoding.drafters import DraftModelDrafter, NGramDrafter, NoDrafter
 from jaxspec.decoding.history import HistoryDrafter, HybridDrafter
 from jaxspec.errors import ConfigError
 
-__all__ = ["KindRules", "RULES", "check_draft", "headroom", "register_rules"]
+__all__ = ["KindRules", "RULES", "check_draft", "check_rejection", "headroom", "register_rules"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,7 +121,7 @@ def headroom(d) -> int:
 
 # ----------------------------------------------------------------------------- shared parts
 
-def chain_nodes(d) -> int:
+def _chain_nodes(d) -> int:
     """A chain of draft.k, or the tree's verified nodes."""
     return d.tree.budget if d.tree is not None else d.k
 
@@ -137,11 +137,11 @@ def _check_history(d, depth: int) -> None:
         raise e.under("history") from None
 
 
-def history_depth(d) -> tuple[int, str]:
+def _history_depth(d) -> tuple[int, str]:
     return d.history.depth or d.k, "draft.history.depth (or draft.k)"
 
 
-def hybrid_depth(d) -> tuple[int, str]:
+def _hybrid_depth(d) -> tuple[int, str]:
     return max(d.k, d.history.depth or d.k), "the deeper of draft.k and draft.history.depth"
 
 
@@ -154,7 +154,7 @@ def _check_block(d) -> None:
 
 def _check_hybrid_block(d) -> None:
     _check_block(d)
-    _check_history(d, hybrid_depth(d)[0])
+    _check_history(d, _hybrid_depth(d)[0])
 
 
 def _check_draft_model(d) -> None:
@@ -168,7 +168,7 @@ def _check_draft_model(d) -> None:
 # check_rejection requires anyway).
 
 _HISTORY_TREE = " (its tree is draft.history.budget nodes)"
-_CHAIN = dict(headroom=chain_nodes, deepest=_chain_depth, takes_tree=True, adaptive=True,
+_CHAIN = dict(headroom=_chain_nodes, deepest=_chain_depth, takes_tree=True, adaptive=True,
               rejection=True)
 
 for _rules in [
@@ -180,16 +180,16 @@ for _rules in [
               check=_check_draft_model),
     KindRules(name="ngram", headroom=lambda d: d.k, deepest=lambda d: (d.k, "draft.k"),
               adaptive=True, rejection=NGramDrafter.supports_rejection),
-    KindRules(name="history", headroom=lambda d: d.history.budget, deepest=history_depth,
+    KindRules(name="history", headroom=lambda d: d.history.budget, deepest=_history_depth,
               rejection=HistoryDrafter.supports_rejection,
               check=lambda d: _check_history(d, d.history.depth or d.k), no_tree=_HISTORY_TREE),
-    KindRules(name="hybrid", headroom=lambda d: d.history.budget, deepest=hybrid_depth,
+    KindRules(name="hybrid", headroom=lambda d: d.history.budget, deepest=_hybrid_depth,
               rejection=HybridDrafter.supports_rejection,
-              check=lambda d: _check_history(d, hybrid_depth(d)[0]), no_tree=_HISTORY_TREE),
+              check=lambda d: _check_history(d, _hybrid_depth(d)[0]), no_tree=_HISTORY_TREE),
     KindRules(name="block", headroom=lambda d: d.k, deepest=lambda d: (d.k, "draft.k"),
               adaptive=True, rejection=BlockDrafter.supports_rejection, check=_check_block,
               no_tree=" (a block drafts one chain)"),
-    KindRules(name="hybrid_block", headroom=lambda d: d.history.budget, deepest=hybrid_depth,
+    KindRules(name="hybrid_block", headroom=lambda d: d.history.budget, deepest=_hybrid_depth,
               rejection=HybridDrafter.supports_rejection, check=_check_hybrid_block,
               no_tree=_HISTORY_TREE),
 ]:
