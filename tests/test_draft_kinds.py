@@ -67,14 +67,15 @@ def test_rejection_is_refused_by_the_config_for_kinds_without_draft_probabilitie
     assert "'replay'" in e.valid and "eagle3" in e.valid and kind not in e.valid.split(" / ")
 
 
-def test_the_script_stops_with_one_error_line_and_exit_2():
+def test_the_script_stops_with_one_error_line_and_exit_2(tmp_path):
     """Through scripts/train_grpo.py: one `error:` line naming the key, exit 2, and no
-    compile (it returns before the trainer is built: no 'warm-up' or step lines)."""
+    compile (it returns before the trainer is built: no run.dir, no 'warm-up' line)."""
+    run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "scripts/train_grpo.py", TINY, "draft.kind=history",
-                           "rollout.method=rejection", "run.dir=/nonexistent/never-made"],
+                           "rollout.method=rejection", f"run.dir={run_dir}"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors == [line for line in done.stderr.splitlines() if line.strip()], done.stderr
     assert len(errors) == 1 and "'rollout.method' = 'rejection'" in errors[0]
-    assert "warm-up" not in done.stdout and not pathlib.Path("/nonexistent/never-made").exists()
+    assert "warm-up" not in done.stdout and not run_dir.exists()
