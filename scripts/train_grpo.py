@@ -121,14 +121,18 @@ def main(argv=None) -> int:
 
 def _finished(cfg) -> str | None:
     """With run.resume: the message that the run in run.dir already finished run.steps
-    (its checkpoint is at run.steps or later and its export is written), else None."""
+    (its checkpoint is at run.steps or later and its export is written), else None. Reads
+    the checkpoint directory's names only (orbax renames a step's directory to its number
+    when the step is complete), so a bad config is still refused before orbax is touched."""
     import os
 
-    from jaxspec.rl.plan import _checkpoint_dir, _saved_steps
+    from jaxspec.rl.plan import _checkpoint_dir
 
     if not cfg.run.resume:
         return None
-    steps = _saved_steps(_checkpoint_dir(cfg))
+    ckpt = _checkpoint_dir(cfg)
+    steps = sorted(int(n) for n in (os.listdir(ckpt) if os.path.isdir(ckpt) else ())
+                   if n.isdigit() and os.path.isdir(os.path.join(ckpt, n)))
     if not steps or steps[-1] < cfg.run.steps:
         return None
     if not os.path.isfile(os.path.join(cfg.run.dir, "policy", "config.json")):
