@@ -15,9 +15,10 @@ past k, and one Markov bias and argmax per position for the greedy chain (shared
 draft's when the drafts are argmaxes).
 
 Exactness: this iteration's k comes from the previous draft's estimate, a function of the
-committed prefix only (the greedy chain uses no draft or verifier randomness), so under
-rejection sampling each iteration verifies a k fixed before its own draws, and under replay
-the tokens never depend on the drafts. Choosing k from the current block's sampled tokens
+committed prefix only (the greedy chain uses no draft or verifier randomness), and under
+replay the tokens never depend on the drafts. `generate` refuses rejection sampling with
+adaptive k: each iteration would be exact, but the estimate averages the live rows, so a
+row's tokens would depend on the rows beside it. Choosing k from the current block's sampled tokens
 would not be exact under rejection: verifying x_1 only when x_1 (or a token drawn after it)
 looks likely changes the law x_1 is verified under. The current block's greedy estimate
 would be (it too depends on the prefix only) but needs the body before the choice: one
