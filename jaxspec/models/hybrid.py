@@ -46,6 +46,7 @@ from jaxspec.models.gated_deltanet import (
 )
 from jaxspec.models.layers import INIT_STD, MLP, logical_param
 from jaxspec.models.moe import MoE
+from jaxspec.models.transformer import param_path
 
 __all__ = ["DeltaSteps", "GatedAttention", "GatedDeltaNet", "HybridCache", "HybridPolicy",
            "HybridTransformer", "layer_plan", "random_hybrid_policy"]
@@ -575,7 +576,7 @@ def _drawn(policy: HybridPolicy, seed: int, *, hf_init: bool) -> HybridPolicy:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(policy.params)
     out = []
     for path, leaf in leaves:
-        name = "/".join(str(getattr(k, "key", "")) for k in path)
+        name = "/".join(param_path(path))
         shape = tuple(leaf.shape)
         noise = rng.standard_normal(shape).astype(np.float32)
         if name.endswith("A_log"):

@@ -157,18 +157,23 @@ def test_chunked_prefill_equals_token_by_token_decode(dtype, tol):
     assert np.asarray(cache.lengths).tolist() == [t, t]
 
 
+def _rule_inputs(seed, t, hk=1, hv=2, dk=4, dv=3):
+    """q, k (unit), v, g (<= 0), beta, a start state for one row: the rule's inputs."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, t, hk, dk)).astype(np.float32) / 2
+    k = rng.standard_normal((1, t, hk, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((1, t, hv, dv)).astype(np.float32)
+    g = -rng.uniform(0, 1, (1, t, hv)).astype(np.float32)
+    beta = rng.uniform(0, 1, (1, t, hv)).astype(np.float32)
+    return q, k, v, g, beta, rng.standard_normal((1, hv, dk, dv)).astype(np.float32)
+
+
 def test_delta_rule_forms_against_each_other_and_a_numpy_loop():
     """The chunked and recurrent rules, from a nonzero state, over a length that is no
     multiple of the chunk, against a plain NumPy loop of the rule's definition."""
-    rng = np.random.default_rng(0)
-    b, t, hk, hv, dk, dv = 1, 13, 1, 2, 4, 3
-    q = rng.standard_normal((b, t, hk, dk)).astype(np.float32) / 2
-    k = rng.standard_normal((b, t, hk, dk)).astype(np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((b, t, hv, dv)).astype(np.float32)
-    g = -rng.uniform(0, 1, (b, t, hv)).astype(np.float32)
-    beta = rng.uniform(0, 1, (b, t, hv)).astype(np.float32)
-    s0 = rng.standard_normal((b, hv, dk, dv)).astype(np.float32)
+    t, hk, hv, dv = 13, 1, 2, 3
+    q, k, v, g, beta, s0 = _rule_inputs(0, t, hk, hv, dv=dv)
     s = s0[0].astype(np.float64)
     want = np.zeros((t, hv, dv))
     for i in range(t):
@@ -333,16 +338,8 @@ def test_speculative_greedy_equals_plain_and_keeping_the_whole_draft_does_not():
 def test_chunked_rule_gradients_equal_the_recurrent_ones():
     """Training differentiates the chunked form (its triangular solve included): its
     gradients with respect to every input equal the token-by-token form's."""
-    rng = np.random.default_rng(1)
-    b, t, hk, hv, dk, dv = 1, 9, 1, 2, 4, 3
-    q = rng.standard_normal((b, t, hk, dk)).astype(np.float32) / 2
-    k = rng.standard_normal((b, t, hk, dk)).astype(np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((b, t, hv, dv)).astype(np.float32)
-    g = -rng.uniform(0, 1, (b, t, hv)).astype(np.float32)
-    beta = rng.uniform(0, 1, (b, t, hv)).astype(np.float32)
-    s0 = rng.standard_normal((b, hv, dk, dv)).astype(np.float32)
-    weights = rng.standard_normal((b, t, hv, dv)).astype(np.float32)
+    q, k, v, g, beta, s0 = _rule_inputs(1, 9)
+    weights = np.random.default_rng(2).standard_normal(v.shape).astype(np.float32)
 
     def loss(rule, *args):
         out, state = rule(*args)
@@ -374,3 +371,18 @@ def test_bfloat16_logits_within_transformers_bfloat16_rounding(tmp_path):
           f"transformers' max {theirs.max():.3f} mean {theirs.mean():.4f}")
     assert ours.max() < 1.5 * theirs.max() and ours.mean() < 1.5 * theirs.mean()
     assert ours.max() > 1e-3  # it did round
+
+
+def test_init_follows_transformers_init():
+    """HybridPolicy.init: zero-centred norms at 0 (scale 1), the gated norm and dt_bias at 1,
+    A_log = log(uniform(0.01, 16)), weights N(0, 0.02^2); finite logits."""
+    policy = HybridPolicy.init(ModelConfig.tiny("qwen3_next"), jax.random.key(0))
+    p = policy.params
+    assert np.all(np.asarray(p["norm"]["scale"][...]) == 0)
+    assert np.all(np.asarray(p["linear_layers"]["gate_norm"][...]) == 1)
+    assert np.all(np.asarray(p["linear_layers"]["dt_bias"][...]) == 1)
+    a = np.exp(np.asarray(p["linear_layers"]["A_log"][...]))
+    assert a.min() >= 0.01 and a.max() <= 16
+    assert abs(float(np.std(np.asarray(p["embed_tokens"][...]))) - 0.02) < 2e-3
+    logits, _, _ = policy.forward(np.zeros((1, 3), np.int32), np.arange(3)[None])
+    assert np.all(np.isfinite(np.asarray(logits)))
