@@ -5,7 +5,7 @@
 #   bash scripts/gpu_session.sh tests    # the gpu-marked kernel tests and tests/decoding on CUDA
 #   bash scripts/gpu_session.sh kernels  # tree-attention backends on the full grid (~4 min)
 #   bash scripts/gpu_session.sh train    # the README's main job (configs/long.yaml) on CUDA
-#   bash scripts/gpu_session.sh rollout  # 8B-shaped oracle rollouts, batch 1-256, k 1/3/5 (~6 min)
+#   bash scripts/gpu_session.sh rollout  # 8B-shaped oracle rollouts, batch 1-256, k 1/3/5 (~8 min)
 #   bash scripts/gpu_session.sh rollout_invariant  # the same with the batch-invariant forward
 #   bash scripts/gpu_session.sh kernels_b64        # issue 13's verify/decode row (batch 64, N 16)
 #   bash scripts/gpu_session.sh engine   # issue 13's tables: 8B and 100M decode bound, live-KV rollout
@@ -87,8 +87,8 @@ train)
   ;;
 rollout)
   # The oracle's drafts come from one untimed reference run per (batch, k) since issue 50
-  # (--oracle-reference verify: tau = k + 1 in bf16): ~40 s more compiles than before.
-  TAIL=20 step rollout_8b 420 python3 scripts/bench_rollout.py --config configs/qwen3_8b_shape.yaml \
+  # (--oracle-reference verify: tau = k + 1 in bf16): one more compile per (batch, k).
+  TAIL=20 step rollout_8b 540 python3 scripts/bench_rollout.py --config configs/qwen3_8b_shape.yaml \
     --oracle 1.0 --ks 1,3,5 --batches 1,16,64,256 --rounds 3 --max-new-tokens 96 --bandwidth \
     --json "$out/rollout_8b.json"
   ;;
