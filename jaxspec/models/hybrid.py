@@ -349,7 +349,7 @@ class HybridTransformer(nnx.Module):
             w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
             x = jnp.einsum("bth,hv->btv", x, w, preferred_element_type=jnp.float32)
         kv = cache.kv
-        if keys:
+        if keys and kv.max_len:  # (a stateless forward's cache holds no slots)
             kv = kv.write(jnp.stack(keys), jnp.stack(values), valid)
         kv = kv.advance(valid)
         cache = HybridCache(kv=kv, conv=jnp.stack(convs) if convs else cache.conv,

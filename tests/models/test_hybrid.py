@@ -386,3 +386,28 @@ def test_init_follows_transformers_init():
     assert abs(float(np.std(np.asarray(p["embed_tokens"][...]))) - 0.02) < 2e-3
     logits, _, _ = policy.forward(np.zeros((1, 3), np.int32), np.arange(3)[None])
     assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_training_gradient_equals_the_recurrent_forms():
+    """The training path (a stateless forward: chunked rule) differentiates end to end: its
+    gradient with respect to every weight equals that of the same loss through the
+    recurrent rule (a deferred-state forward over a cache)."""
+    policy = random_hybrid_policy(ModelConfig.tiny("qwen3_5"), seed=2)
+    tokens = jnp.asarray(_tokens(2, 10, seed=3) % 128, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+
+    def loss(params, recurrent):
+        p = policy.replace(params=params)
+        if recurrent:
+            logits = p.forward(tokens[:, :-1], positions, p.init_cache(2, 9), defer_state=True)[0]
+        else:
+            logits = p.forward(tokens[:, :-1], positions)[0]
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    chunked = jax.grad(loss)(policy.params, False)
+    recurrent = jax.grad(loss)(policy.params, True)
+    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(recurrent)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(b).max() > 1e-4
+        np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max(), rtol=1e-3)
