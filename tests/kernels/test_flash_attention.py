@@ -5,6 +5,7 @@ against `tree_attention_reference`, the project's oracle), with padding at both 
 row, GQA and T not a multiple of the block; the compiled CPU program holds no [.., T, T]
 array; the policy's training forward with the chunked path equals the dense-mask one."""
 
+import functools
 import re
 
 import jax
@@ -265,3 +266,41 @@ def test_cudnn_matches_chunked_on_a_gpu(left_pad):
     np.testing.assert_allclose(f32(out_a * real), f32(out_b * real), atol=3e-2)
     for a, b in zip(grads_a, grads_b):
         np.testing.assert_allclose(f32(a), f32(b), atol=5e-2 * np.abs(f32(b)).max())
+
+
+@pytest.mark.skipif(not __import__("jaxspec.gpu_targets").gpu_targets.plugin_installed(),
+                    reason="jax's CUDA plugin is not installed: nothing can be compiled for a GPU")
+def test_gpu_target_under_fsdp_attends_each_devices_rows_without_gathers():
+    """8 H100s, rows split over fsdp: the layer's cuDNN attention runs on each device's rows
+    (layers._per_row_shards); its backward gathers no q/k/v-sized array. (Left to cuDNN's
+    partitioner, the whole GRPO update gathered every row's q, k, v and softmax statistics;
+    this small program alone does not show it, so the inspector's figure is the control:
+    docs/BENCHMARKS.md.)"""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxspec import gpu_targets
+    from jaxspec.kernels.platform import target_platform
+    from jaxspec.models.layers import _per_row_shards
+
+    mesh = gpu_targets.mesh("h100", {"data": 1, "fsdp": 8})
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    b, t = 8, 512
+    q = jax.ShapeDtypeStruct((b, t, 8, 128), jnp.bfloat16, sharding=rows)
+    kv = jax.ShapeDtypeStruct((b, t, 2, 128), jnp.bfloat16, sharding=rows)
+    valid = jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=rows)
+    attention = functools.partial(causal_attention, implementation="auto")
+
+    def gathers(wrap):
+        def step(q, k, v, valid):
+            def loss(q, k, v):  # heads re-split by a matmul, as a layer's projections do
+                out = wrap(attention, q * 1.5, k, v, valid)
+                return jnp.sum(out.astype(jnp.float32) ** 2)
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        with target_platform("gpu"), jax.set_mesh(mesh):
+            text = jax.jit(step).trace(q, kv, kv, valid).lower(
+                lowering_platforms=("cuda",)).compile().as_text()
+        return [line for line in text.splitlines() if "all-gather-start(" in line
+                and f"[{b},{t}," in line.split("all-gather-start(")[0]]
+
+    assert gathers(_per_row_shards) == []
