@@ -51,6 +51,9 @@ def config_from_hf(
     hf: dict, *, dtype: str | None = None, attention_backend: str = "reference"
 ) -> ModelConfig:
     """ModelConfig from a parsed HF config.json (transformers 4 and 5 spellings)."""
+    from jaxspec.models import hybrid_hf
+
+    hf = hybrid_hf.text_part(hf)  # a multimodal Qwen3.5 checkpoint: its language model
     archs = list(hf.get("architectures") or [])
     model_type = hf.get("model_type")
     family = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
@@ -327,13 +330,14 @@ _WEIGHTS = (
 )
 
 
-def _expected(config: ModelConfig) -> dict[str, tuple[_Weight, tuple[int, ...]]]:
+def _expected(config: ModelConfig, names=()) -> dict[str, tuple[_Weight, tuple[int, ...]]]:
     """HF tensor name -> (table entry, its index in our stacked param: (layer,), (layer,
-    expert) or ()) for this config (a hybrid's: (index in its layer kind's stack,))."""
+    expert) or ()) for this config (a hybrid's: (index in its layer kind's stack,); `names`,
+    the checkpoint's, tell a multimodal Qwen3.5 layout from a text-only one)."""
     if config.is_hybrid:
         from jaxspec.models import hybrid_hf
 
-        return hybrid_hf.expected(config)
+        return hybrid_hf.expected(config, names)
     out = {}
     for w in _WEIGHTS:
         if not w.when(config):
@@ -354,8 +358,8 @@ def _optional(name: str, config: ModelConfig) -> bool:
     """Tensors a checkpoint may carry that we do not need."""
     if name.endswith(_IGNORED_SUFFIXES):
         return True
-    if config.is_hybrid and name.startswith("mtp."):  # the MTP head's, not the policy's
-        return True
+    if config.is_hybrid and name.startswith(("mtp.", "model.visual.")):  # the MTP head's and
+        return True  # a multimodal checkpoint's vision tower: not the policy's
     return config.tie_embeddings and name == "lm_head.weight"  # a tied head saved anyway
 
 
@@ -463,7 +467,7 @@ def _inspect(path: pathlib.Path, dtype, attention_backend):
         _read_json(config_file), dtype=dtype, attention_backend=attention_backend
     )
     files = _tensor_files(path)
-    _check(config, _expected(config), _shapes(files), path)
+    _check(config, _expected(config, files), _shapes(files), path)
     return config, files
 
 
@@ -491,7 +495,7 @@ def load_hf(
     """
     path = pathlib.Path(os.fspath(path)).expanduser()
     config, files = _inspect(path, dtype, attention_backend)
-    expected = _expected(config)
+    expected = _expected(config, files)
 
     # Read each file once, convert into our layout and dtype, straight into the stacked
     # arrays (a model mixing dense and sparse layers keeps zeros where a layer has none).

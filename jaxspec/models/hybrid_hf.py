@@ -21,8 +21,33 @@ from jaxspec.models.hybrid import layer_plan
 ARCHITECTURES = {"Qwen3_5ForCausalLM": "qwen3_5", "Qwen3NextForCausalLM": "qwen3_next"}
 MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}
 _FAMILY_MODEL_TYPE = {v: k for k, v in MODEL_TYPES.items()}
+# Multimodal checkpoints whose language model is one of ours (config "text_config", tensors
+# under "model.language_model."; the vision tower "model.visual.*" is skipped). An export
+# writes the text-only model.
+_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+_MULTIMODAL_TYPES = {"qwen3_5": "Qwen3_5ForCausalLM"}
+_TEXT_PREFIX = "model.language_model."
 _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
            "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
+def text_part(hf: dict) -> dict:
+    """A multimodal Qwen3.5 config.json's language model as a text-only config (any other
+    config as it is)."""
+    archs = list(hf.get("architectures") or [])
+    text = next((_MULTIMODAL[a] for a in archs if a in _MULTIMODAL), None)
+    if text is None and not archs:
+        text = _MULTIMODAL_TYPES.get(hf.get("model_type"))
+    if text is None:
+        return hf
+    if not isinstance(hf.get("text_config"), dict):
+        raise HFCheckpointError(f"config.json of a {archs or hf.get('model_type')} checkpoint "
+                                "has no 'text_config' object (the language model's config)")
+    out = {**hf["text_config"], "architectures": [text]}
+    out.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    for key in ("dtype", "torch_dtype"):
+        out.setdefault(key, hf.get(key))
+    return out
 
 
 def config_from_hf(hf: dict, family: str, *, dtype: str | None,
@@ -225,8 +250,19 @@ _WEIGHTS = (
 )
 
 
-def expected(config: ModelConfig) -> dict:
-    """HF tensor name -> (table entry, its index in our stacked param) for this config."""
+def expected(config: ModelConfig, names=()) -> dict:
+    """HF tensor name -> (table entry, its index in our stacked param) for this config; the
+    multimodal layout's names where the checkpoint's `names` are under "model.language_model."."""
+    multimodal = any(n.startswith(_TEXT_PREFIX) for n in names)
+    out = {}
+    for name, entry in _text_expected(config).items():
+        if multimodal and name.startswith("model."):
+            name = _TEXT_PREFIX + name[len("model."):]
+        out[name] = entry
+    return out
+
+
+def _text_expected(config: ModelConfig) -> dict:
     out = {}
     plan = layer_plan(config)
     for w in _WEIGHTS:

@@ -411,3 +411,26 @@ def test_training_gradient_equals_the_recurrent_forms():
         a, b = np.asarray(a), np.asarray(b)
         assert np.abs(b).max() > 1e-4
         np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max(), rtol=1e-3)
+
+
+def test_multimodal_qwen3_5_checkpoint_loads_its_language_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (text_config; model.language_model.*,
+    model.visual.* skipped) loads as the text policy, with the multimodal model's logits."""
+    text = dict(SMALL, num_hidden_layers=2, layer_types=[L, F])
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=16,
+                                             num_heads=2, out_hidden_size=32))
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("language_model" in name or name.startswith("lm_head")) and p.ndim > 1:
+                p.copy_(torch.randn(p.shape) * (1 if "embed" in name else p.shape[-1] ** -0.5))
+    model.save_pretrained(tmp_path)
+    policy = load_hf(tmp_path)
+    assert policy.config.family == "qwen3_5" and policy.config.layer_types == (L, F)
+    tokens = _tokens(1, 7, seed=10)
+    want = _hf_logits(model, tokens)
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(np.asarray(policy.forward(tokens, np.arange(7)[None])[0]),
+                               want, atol=1e-5, rtol=0)
