@@ -219,6 +219,10 @@ def test_a_config_saved_by_an_earlier_version_still_loads():
                    ("model", "mlp_only_layers"): [], ("model", "shared_expert_intermediate_size"): 0,
                    ("model", "expert_backend"): "blocked", ("model", "fused_kernels"): "auto",
                    ("model", "train_attention"): "auto",
+                   ("model", "layer_types"): [], ("model", "linear_num_key_heads"): 0,
+                   ("model", "linear_num_value_heads"): 0, ("model", "linear_key_head_dim"): 0,
+                   ("model", "linear_value_head_dim"): 0, ("model", "linear_conv_kernel_dim"): 0,
+                   ("model", "partial_rotary_factor"): 1.0,
                    ("mesh", "expert"): 1,
                    ("grpo", "router_aux_coef"): 0.0, ("grpo", "router_z_coef"): 0.0}
     written = C.to_dict(saved)
