@@ -42,7 +42,7 @@ def _programs(b, t, hq, hkv, d, dtype):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--lengths", default="1024,4096", help="comma list of T")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", default="8,2", help="q heads,kv heads")
