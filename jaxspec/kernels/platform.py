@@ -25,7 +25,13 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # q/k/v projections to get under it (reading their weights twice: 1.187x the HBM floor
 # instead of 1.126x; docs/results/gpu_programs.json). Doubling the limit leaves room for
 # the double-counted KV cache, whose real size is bounded by the device's memory.
-GPU_COMPILER_OPTIONS = {"xla_gpu_memory_limit_slop_factor": "200"}
+# xla_disable_hlo_passes=dot-strength-reduction: at one row XLA rewrites a vector-matrix
+# product into a multiply and a reduction, and for some shapes (the Qwen3-30B-A3B attention
+# projections on an H200) leaves the two unfused, writing and re-reading the product: the
+# MoE decode step at batch 1 read 1.54x its floor with it and 1.01x without it, and no
+# other inspected program moves (docs/BENCHMARKS.md, MoE). Compiled, not yet timed.
+GPU_COMPILER_OPTIONS = {"xla_gpu_memory_limit_slop_factor": "200",
+                        "xla_disable_hlo_passes": "dot-strength-reduction"}
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxspec_target_platform", default=None)
