@@ -161,12 +161,18 @@ def split_devices(n_gen: int, n_train: int, devices=None) -> tuple[list, list]:
 
 # --------------------------------------------------------------------------- rules
 
+_ACTIVE_RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "jaxspec_sharding_rules", default=None)
+
+
 
 def resolve_rules(rules: Mapping[str, Any] | None = None) -> dict[str, tuple[str, ...] | None]:
-    """DEFAULT_RULES overridden by `rules`, every target normalised to a tuple of mesh axes or None.
+    """DEFAULT_RULES overridden by `rules` (None: those of an enclosing `use_rules`), every
+    target normalised to a tuple of mesh axes or None.
 
     Unknown logical axes and unknown mesh axes are errors (a typo would silently replicate).
     """
+    rules = _ACTIVE_RULES.get() if rules is None else rules
     merged: dict[str, Any] = dict(DEFAULT_RULES)
     for logical, target in (rules or {}).items():
         if logical not in DEFAULT_RULES:
@@ -414,14 +420,10 @@ def shard_cache(
     return _place_tree(cache, shardings)
 
 
-_ACTIVE_RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
-    "jaxspec_sharding_rules", default=None)
-
-
 @contextlib.contextmanager
 def use_rules(rules: Mapping[str, Any] | None):
-    """The rules `constrain`, `constrain_rows` and `constrain_params` use when given none,
-    inside the block (a run's `mesh.rules`; None: DEFAULT_RULES). Traced functions are
+    """The rules every function here uses when given none (`rules=None`), inside the block
+    (a run's `mesh.rules`; None: DEFAULT_RULES). Traced functions are
     cached without them: a constraint only places values, so a stale one costs
     communication, never a wrong number."""
     token = _ACTIVE_RULES.set(None if rules is None else dict(rules))
@@ -436,15 +438,13 @@ def constrain(
     logical_axes: Sequence[str | None],
     rules: Mapping[str, Any] | None = None,
 ):
-    """Inside jit: pin `x` to the rules' sharding (`rules`, else those of `use_rules`, else
-    DEFAULT_RULES) on the mesh set by `jax.set_mesh`; without a mesh it returns x unchanged
-    (so library code can call it unconditionally)."""
+    """Inside jit: pin `x` to the rules' sharding on the mesh set by `jax.set_mesh`; without
+    a mesh it returns x unchanged (so library code can call it unconditionally)."""
     if len(logical_axes) != np.ndim(x):
         raise ValueError(f"constrain: logical axes {tuple(logical_axes)} for an array of shape {np.shape(x)}")
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    rules = _ACTIVE_RULES.get() if rules is None else rules
     return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical_axes, rules))
 
 
@@ -464,7 +464,7 @@ def constrain_rows(
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    rules = resolve_rules(_ACTIVE_RULES.get() if rules is None else rules)
+    rules = resolve_rules(rules)
     axes = tuple(a for a in (rules["batch"] or ()) if mesh.shape[a] > 1)
     if not axes or np.shape(x)[dim] % math.prod(mesh.shape[a] for a in axes):
         return x
@@ -480,7 +480,6 @@ def constrain_params(tree, rules: Mapping[str, Any] | None = None):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return tree
-    rules = _ACTIVE_RULES.get() if rules is None else rules
     specs = nnx.get_partition_spec(tree)
     return jax.tree.map(
         lambda x, names: jax.lax.with_sharding_constraint(

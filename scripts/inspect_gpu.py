@@ -223,6 +223,7 @@ def main(argv=None) -> int:
 
     import tempfile
 
+    from jaxspec import parallel
     from jaxspec.gpu_targets.inspect import build_program, inspect_program
 
     scratch = tempfile.TemporaryDirectory()
@@ -240,12 +241,13 @@ def main(argv=None) -> int:
         if name.startswith("grpo"):
             mesh = gpu_targets.mesh(args.target, {"data": 1, "fsdp": args.devices // args.expert,
                                                   "expert": args.expert, "tensor": 1})
-            program = build_program(name, model, batch=0, context=args.context, mesh=mesh,
-                                    run=run_settings(cfg))
             tag = f"{name}_{args.target}_x{args.devices}"
-            report = inspect_program(program, args.target, mesh, hlo_dir=hlo_dir, tag=tag,
-                                     xla_options=xla,
-                                     measured=_measured(args.profile, name, None))
+            with parallel.use_rules(cfg.mesh.rules):  # the run's sharding rules
+                program = build_program(name, model, batch=0, context=args.context, mesh=mesh,
+                                        run=run_settings(cfg))
+                report = inspect_program(program, args.target, mesh, hlo_dir=hlo_dir, tag=tag,
+                                         xla_options=xla,
+                                         measured=_measured(args.profile, name, None))
             report["batch"] = run_settings(cfg)["batch"]
             report["communication"] = communication(
                 report, open(os.path.join(hlo_dir, f"{tag}.hlo.txt")).read(), mesh, gpu)

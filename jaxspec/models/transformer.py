@@ -98,9 +98,8 @@ class Transformer(nnx.Module):
         of the logits. The caches come back unchanged in value; write into these (the unrolled
         layers pass them on through each attention, so XLA keeps one buffer).
 
-        shard_rows=True (the training and scoring forwards) pins the activations to the
-        batch sharding at every layer boundary (`parallel.constrain_rows`), so that under
-        FSDP XLA gathers each layer's weights rather than splitting its matmuls."""
+        shard_rows=True pins the activations to the batch sharding at every layer boundary
+        (`Policy.forward`)."""
         from jaxspec.parallel import constrain_rows  # (jaxspec.parallel imports this module)
 
         pin = constrain_rows if shard_rows else (lambda x, dim=0: x)
@@ -167,8 +166,9 @@ class Transformer(nnx.Module):
 # --------------------------------------------------------------------------- policy
 
 
-@functools.partial(jax.jit, static_argnames=("capture", "head", "routing"))
-def _forward(policy, tokens, positions, cache, mask, capture, head=True, routing=False):
+@functools.partial(jax.jit, static_argnames=("capture", "head", "routing", "shard_rows"))
+def _forward(policy, tokens, positions, cache, mask, capture, head=True, routing=False,
+             shard_rows=False):
     model = nnx.merge(policy.graphdef, policy.params)
     cfg = policy.config
     b, t = tokens.shape
@@ -185,7 +185,7 @@ def _forward(policy, tokens, positions, cache, mask, capture, head=True, routing
         valid, mask = new_token_mask(positions, mask)
     logits, captured, k_new, v_new, k_cache, v_cache, route = model(
         tokens, positions, k_cache, v_cache, jnp.minimum(lengths, s), mask, capture, head,
-        layer_params=policy.layer_params, shard_rows=cache is None,
+        layer_params=policy.layer_params, shard_rows=shard_rows and cache is None,
     )
     captured = {layer: captured[i] for i, layer in enumerate(capture)}
     extra = (route,) if routing else ()
@@ -367,6 +367,7 @@ class Policy:
         capture: tuple[int, ...] = (),
         head: bool = True,
         routing: bool = False,
+        shard_rows: bool = False,
     ):
         """-> (logits [B,T,V] float32, {layer: hidden [B,T,H]}, cache); routing=True (an MoE
         policy only) appends {"router_logits": [L,B,T,E] float32, "experts": [L,B,T,K]
@@ -382,14 +383,19 @@ class Policy:
         the final norm), HF's hidden_states[i + 1] (HF reports the last layer after the
         final norm). With cache=None nothing is stored and None is returned.
 
+        shard_rows=True (the training steps; cache=None only) pins the activations to the
+        batch sharding at every layer boundary, so that FSDP all-gathers each layer's weights
+        instead of all-reducing activations (`parallel.constrain_rows`, docs/scaling.md).
+
         A float32 policy computes its matrix products in full float32 on every backend, never
         TF32 (`matmul_precision`).
         """
         with matmul_precision(self.config.dtype):
             return self._forward(tokens, positions, cache, mask=mask, capture=capture, head=head,
-                                 routing=routing)
+                                 routing=routing, shard_rows=shard_rows)
 
-    def _forward(self, tokens, positions, cache, *, mask, capture, head, routing=False):
+    def _forward(self, tokens, positions, cache, *, mask, capture, head, routing=False,
+                 shard_rows=False):
         cfg = self.config
         if routing and not cfg.is_moe:
             raise ValueError(f"forward(routing=True): family {cfg.family!r} has no experts")
@@ -427,7 +433,8 @@ class Policy:
                         f"forward would write past the KV cache: rows {over.tolist()} need "
                         f"{need[over].tolist()} slots, max_len={cache.max_len}"
                     )
-        return _forward(self, tokens, positions, cache, mask, capture, bool(head), bool(routing))
+        return _forward(self, tokens, positions, cache, mask, capture, bool(head), bool(routing),
+                        bool(shard_rows))
 
 
 jax.tree_util.register_dataclass(Policy)

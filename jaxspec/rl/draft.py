@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxspec import parallel
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.rl import chunked
 
@@ -225,6 +226,7 @@ def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, tar
             return draft_loss(head, params, embed_fn, features, tokens, target, loss_mask, cfg)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
+        grads = parallel.constrain_params(grads)
     else:
         is_head = isinstance(target, TargetHead)
         rows = chunked.split_rows((features, tokens, target.hidden if is_head else target,
@@ -240,14 +242,15 @@ def draft_train_step(head, opt_state, optimizer, embed_fn, features, tokens, tar
         denominators = jnp.maximum(jnp.sum(jax.lax.map(counted, rows), axis=0), 1)
 
         def part_grad(xs):
-            f, tok, tgt, mask = xs
+            # rows over the batch devices, gradients onto the params' shards (FSDP)
+            f, tok, tgt, mask = (parallel.constrain_rows(x) for x in xs)
 
             def loss_fn(params):
                 return draft_loss(head, params, embed_fn, f, tok, part(tgt), mask, cfg,
                                   denominators=denominators)
 
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head.params)
-            return grads, metrics
+            return parallel.constrain_params(grads), metrics
 
         grads, metrics = chunked.accumulate_gradients(part_grad, head.params, rows)
         metrics = {k: v.sum() for k, v in metrics.items()}  # parts of the batch's values

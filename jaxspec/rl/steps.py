@@ -114,13 +114,14 @@ def score_rollouts(
         seq, positions, mask = rows
         out = {}
         if recompute or capture:
-            hidden, captured, _ = policy.forward(seq, positions, capture=capture, head=False)
+            hidden, captured, _ = policy.forward(seq, positions, capture=capture, head=False,
+                                                 shard_rows=True)
         if recompute:
             lp, entropy = _token_logprobs(policy, hidden, seq, sampling, filtered, chunk)
             out = {"logprobs": jnp.where(mask, lp, 0.0), "entropy": entropy}
         if ref_params is not None:
             ref = policy.replace(params=ref_params)
-            ref_hidden, _, _ = ref.forward(seq, positions, head=False)
+            ref_hidden, _, _ = ref.forward(seq, positions, head=False, shard_rows=True)
             ref_lp = _token_logprobs(ref, ref_hidden, seq, sampling, filtered, chunk)[0]
             out["ref_logprobs"] = jnp.where(mask, ref_lp, 0.0)
         if capture:
@@ -210,7 +211,7 @@ def policy_update(
     def loss_fn(params, mb, denominator=None):
         current = policy.replace(params=params)
         hidden, _, _, *routing = current.forward(mb["tokens"], mb["positions"], head=False,
-                                                 routing=moe)
+                                                 routing=moe, shard_rows=True)
         lp, entropy = _token_logprobs(current, hidden, mb["tokens"], sampling, filtered,
                                       grpo_cfg.logprob_chunk)
         # without a scoring forward (reused generation log-probs) the training forward's
