@@ -131,7 +131,10 @@ def test_mesh_groups_with_sub_axes_and_device_ids():
     assert C.mesh_axes_of(sub, MESH) == "data"
     ids = groups(", replica_groups=mesh['a'=2,'b'=4], device_ids=(0,4,1,5,2,6,3,7) {'a'}")
     assert sorted(map(sorted, ids)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert C.mesh_axes_of(ids, MESH) == "?"  # pairs inside fsdp, not all of it
+    assert C.mesh_axes_of(ids, MESH) == "fsdp/2"  # pairs inside fsdp, not all of it
+    assert C.mesh_axes_of([[0, 5], [1, 4]], {"data": 2, "fsdp": 4}) == "data+fsdp/2"
+    assert C.mesh_axes_of([[0, 5], [1, 4]], {"data": 8}) == "data/2"
+    assert C.mesh_axes_of([[0, 9]], {"data": 2, "fsdp": 4}) == "?"  # no such device
     assert C.mesh_axes_of(ids, MESH, pairs=True) == "fsdp"  # as a permute's pairs
     assert groups(", replica_groups={}") == [list(range(8))]
 

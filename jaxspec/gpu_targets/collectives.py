@@ -163,8 +163,9 @@ def mesh_axes_of(groups: list[list[int]], mesh_shape: Mapping[str, int], *,
                  pairs: bool = False) -> str:
     """The mesh axes (joined by '+', in mesh order) whose groups `groups` are, as sets of
     flat device indices of a mesh of `mesh_shape` ({axis: size}, in order); "" when every
-    group holds one device, "?" when no set of axes gives these groups. pairs=True (a
-    collective-permute's source-target pairs): the fewest axes whose groups hold every pair."""
+    group holds one device. Groups inside the groups of some axes but smaller are
+    "axes/n" (n devices of them, e.g. "fsdp/4" on a 32-device fsdp axis), or just the axes
+    for a collective-permute's source-target pairs (pairs=True); "?" when none hold them."""
     if all(len(g) <= 1 for g in groups):
         return ""
     names = [a for a, s in mesh_shape.items() if s > 1]
@@ -172,6 +173,7 @@ def mesh_axes_of(groups: list[list[int]], mesh_shape: Mapping[str, int], *,
     sizes = list(mesh_shape.values())
     grid = np.arange(math.prod(sizes)).reshape(sizes)
     order = list(mesh_shape)
+    inside = None  # the fewest axes whose groups hold every group
     for r in range(1, len(names) + 1):
         for subset in itertools.combinations(names, r):
             keep = [order.index(a) for a in subset]
@@ -181,9 +183,11 @@ def mesh_axes_of(groups: list[list[int]], mesh_shape: Mapping[str, int], *,
             theirs = {frozenset(row.tolist()) for row in flat}
             if theirs == want:
                 return "+".join(subset)
-            if pairs and all(any(g <= t for t in theirs) for g in want):
-                return "+".join(subset)
-    return "?"
+            if inside is None and all(any(g <= t for t in theirs) for g in want):
+                inside = "+".join(subset)
+    if inside is None:
+        return "?"
+    return inside if pairs else f"{inside}/{max(len(g) for g in groups)}"
 
 
 # --------------------------------------------------------------------------- the walk
