@@ -374,3 +374,25 @@ def test_h100_scanned_decode_copies_its_weights_negative_control():
     report, weight = _small_decode_report("scan")
     assert any(c["bytes"] >= weight for c in report["copies_over_1mb"])
     assert report["ratio"] > 1.5
+
+
+@pytest.mark.parametrize("mlp_only", [(), (1,)])
+def test_model_flops_count_the_experts_a_token_routes_to(mlp_only):
+    """The training programs' model-FLOPs bound counts the weights a token multiplies with,
+    written out here from the config's dimensions: embeddings, attention and norms of every
+    layer, a dense layer's SwiGLU, a sparse layer's router and K of its E experts."""
+    from jaxspec.gpu_targets.inspect import active_params
+    from jaxspec.models import Policy
+    from jaxspec.models.config import ModelConfig
+
+    cfg = ModelConfig.tiny("qwen3_moe", mlp_only_layers=list(mlp_only))
+    h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    attn = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * d + 2 * h  # q,k,v,o, QK-norm, 2 norms
+    sparse = [i not in mlp_only for i in range(cfg.num_layers)]
+    mlp = [cfg.num_experts * h + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+           if s else 3 * h * cfg.intermediate_size for s in sparse]
+    embeds = v * h * (1 if cfg.tie_embeddings else 2) + h  # + final norm
+    expected = embeds + cfg.num_layers * attn + sum(mlp)
+    assert active_params(Policy.abstract(cfg)) == expected
+    dense = Policy.abstract(ModelConfig.tiny("qwen3"))
+    assert active_params(dense) == dense.num_params

@@ -28,7 +28,8 @@ thunks: how many inside a command buffer), `memory_analysis()` per device, and a
 iteration (`jaxspec.gpu_targets.estimate`: per kernel the larger of FLOPs over the peak and
 bytes over the bandwidth, plus a launch cost). Training
 programs get the model-FLOPs bound too (2 N per token forward, 6 N per token with the
-backward, 8 N with each layer rematerialised, N the parameter count).
+backward, 8 N with each layer rematerialised, N the parameters a token multiplies with:
+all of a dense model's, a mixture of experts' less the experts it is not routed to).
 
 Attention kernels (Pallas `tree_attention`) read one layer of the stacked KV cache that
 they receive whole: they are charged one layer of each 5-D operand at full capacity (the
@@ -55,6 +56,7 @@ __all__ = [
     "DECODE_PROGRAMS",
     "PROGRAMS",
     "Program",
+    "active_params",
     "build_program",
     "experts_touched",
     "floor_bytes",
@@ -412,7 +414,7 @@ def _grpo_program(name, cfg, mesh, run) -> Program:
     ref = params if run["kl_coef"] > 0 else None
     grpo = GRPOConfig(kl_coef=run["kl_coef"], logprob_chunk=run["chunk"],
                       micro_batch=run["micro_batch"])
-    n_params = policy.num_params
+    n_params = active_params(policy)
     tokens = b * t
     devices = int(np.prod(mesh.devices.shape))  # the floors are per device (fsdp)
     if name == "grpo_score":
@@ -441,6 +443,28 @@ def _grpo_program(name, cfg, mesh, run) -> Program:
              + _param_bytes(opt_state)) / devices}
     return Program(name, fn, (policy, opt_state, scored, rows((b,), jnp.float32)), False,
                    sum(parts.values()), parts, flops=8 * n_params * tokens, donate=(0, 1))
+
+
+def active_params(policy) -> int:
+    """The parameters one token's forward multiplies with, counted from the policy's leaves:
+    of the stacked layers' `moe` experts, K of E in the sparse layers only; of their dense
+    `mlp`, the dense layers only (a stack of mixed layers holds both for every layer). The
+    model-FLOPs bound counts these (Qwen3-30B-A3B: ~3.3B of 30.5B)."""
+    cfg = policy.config
+    sparse = np.asarray(cfg.sparse_layers, bool)
+    count = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(policy.params)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        size = float(np.prod(leaf.shape))
+        stacked = "layers" in keys and leaf.shape and leaf.shape[0] == cfg.num_layers
+        if stacked and "moe" in keys and any(k.endswith("_proj") for k in keys):
+            size *= sparse.mean() * cfg.num_experts_per_tok / cfg.num_experts
+        elif stacked and "moe" in keys:
+            size *= sparse.mean()
+        elif stacked and "mlp" in keys and sparse.any():
+            size *= 1.0 - sparse.mean()
+        count += size
+    return int(round(count))
 
 
 def _optim_spec(run):
