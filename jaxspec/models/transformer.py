@@ -45,6 +45,10 @@ class Transformer(nnx.Module):
     """Embedding, `num_layers` stacked decoder layers, final norm, LM head (or tied)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if config.is_hybrid:
+            raise ValueError(f"family {config.family!r} with linear-attention layers is built by "
+                             "jaxspec.models.hybrid.HybridPolicy (init / abstract / load_hf), "
+                             "not by Policy or Transformer")
         self.config = config
         dtype = config.param_dtype
         self.embed_tokens = logical_param(

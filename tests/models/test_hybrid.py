@@ -275,6 +275,15 @@ def test_generate_refuses_a_hybrid_policy_before_compiling():
         generate(policy, [[1, 2]], max_new_tokens=4, key=jax.random.key(0))
 
 
+def test_policy_refuses_a_hybrid_config():
+    """Policy.init / abstract with a hybrid config used to build a dense Transformer silently."""
+    from jaxspec.models import Policy
+
+    for build in (lambda c: Policy.abstract(c), lambda c: Policy.init(c, jax.random.key(0))):
+        with pytest.raises(ValueError, match="HybridPolicy"):
+            build(ModelConfig.tiny("qwen3_5"))
+
+
 def _speculative_greedy(policy, prompt, n_new, k, keep_whole_draft=False):
     """Greedy speculative decoding at the model level: draft k tokens (the plain greedy
     continuation, every third draft token corrupted, so some drafts are rejected), verify
