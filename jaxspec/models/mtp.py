@@ -131,11 +131,20 @@ class MTPHead:
         """`forward` without storing the new entries' keys and values: they are returned
         (thread=True: also the caches as the attention passed them on, kernels.tree_attention)."""
         del fuse
+        return self.module.block(self.layer_input(embeds, hidden), jnp.maximum(positions, 0),
+                                 k_cache, v_cache, cache_lengths, mask, thread=thread)
+
+    def layer_input(
+        self,
+        embeds,  # [B, T, H]
+        hidden,  # [B, T, H]
+    ):  # -> [B, T, H] the decoder layer's input, eh_proj([enorm(embeds); hnorm(hidden)])
+        """The head's fusion before its decoder layer (`module.block`, whose halves
+        attention_input / self_attn.project / finish the MTP training unroll runs)."""
         m = self.module
         dtype = self.config.layer.param_dtype
         x = jnp.concatenate([m.enorm(embeds.astype(dtype)), m.hnorm(hidden.astype(dtype))], axis=-1)
-        x = x @ m.eh_proj[...]
-        return m.block(x, jnp.maximum(positions, 0), k_cache, v_cache, cache_lengths, mask, thread=thread)
+        return x @ m.eh_proj[...]
 
     def draft_logits(self, hidden, policy):  # [..., H] -> (float32 [..., V], None: ids are the target's)
         """Logits through the policy's shared LM head, over the full target vocabulary."""

@@ -32,29 +32,42 @@ _UNIT_SAMPLING = SamplingConfig(1.0, 0, 1.0)  # the policy's own softmax (the MT
 _QUERY_BLOCK = 512
 
 
-def _ttt_attention(q, k0, v0, diag_k, diag_v, valid, block: int = _QUERY_BLOCK):
+def _ttt_attention(q, k0, v0, diag_k, diag_v, valid, block: int = _QUERY_BLOCK,
+                   mask_diag: bool = False):
     """q [B,T,Hq,D]; k0/v0 [B,T,Hkv,D] step-0 keys; diag_* lists of [B,T,Hkv,D]; valid [B,T].
 
     Computed in blocks of `block` query rows (each row sees all its keys, so the result does
-    not depend on the block), each rematerialised in the backward, when they divide T."""
+    not depend on the block), each rematerialised in the backward; past one block, the query
+    side (q, diag_*) is padded to a multiple of it and the padded rows dropped, so no array
+    holds more than [B, heads, block, T] scores. mask_diag: a padding row (valid False) sees
+    no diagonal key either (the MTP head's dense mask excludes every padding entry)."""
     t = q.shape[1]
-    if t <= block or t % block:
-        return _ttt_attention_rows(q, k0, v0, diag_k, diag_v, valid, 0)
+    if t <= block:
+        return _ttt_attention_rows(q, k0, v0, diag_k, diag_v, valid, 0,
+                                   valid if mask_diag else None)
+    pad = -t % block
+    if pad:  # padded query rows see every key; they are dropped below
+
+        def pad_rows(x):
+            return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        q, diag_k, diag_v = pad_rows(q), [pad_rows(k) for k in diag_k], [pad_rows(v) for v in diag_v]
+    rows_valid = jnp.pad(valid, [(0, 0), (0, pad)]) if mask_diag else None
 
     @jax.checkpoint
     def rows(start):
         def sl(x):
             return jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)
         return _ttt_attention_rows(sl(q), k0, v0, [sl(k) for k in diag_k],
-                                   [sl(v) for v in diag_v], valid, start)
+                                   [sl(v) for v in diag_v], valid, start,
+                                   None if rows_valid is None else sl(rows_valid))
 
-    out = jax.lax.map(rows, jnp.arange(0, t, block, dtype=jnp.int32))  # [n, B, block, Hq, D]
-    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+    out = jax.lax.map(rows, jnp.arange(0, t + pad, block, dtype=jnp.int32))  # [n, B, block, Hq, D]
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)[:, :t]
 
 
-def _ttt_attention_rows(q, k0, v0, diag_k, diag_v, valid, start):
+def _ttt_attention_rows(q, k0, v0, diag_k, diag_v, valid, start, rows_valid=None):
     """The TTT attention of query rows start .. start + R: q and diag_* [B,R,...], k0/v0 and
-    valid over all T positions."""
+    valid over all T positions; rows_valid [B,R] (or None: unmasked) masks the diagonal keys."""
     b, r, hq, d = q.shape
     t = k0.shape[1]
     hkv = k0.shape[2]
@@ -64,6 +77,8 @@ def _ttt_attention_rows(q, k0, v0, diag_k, diag_v, valid, start):
     causal = (jnp.arange(t)[None, :] <= start + jnp.arange(r)[:, None])[None] & valid[:, None, :]
     s0 = jnp.where(causal[:, None, None], s0, -jnp.inf)
     sd = [jnp.einsum("btkgd,btkd->bkgt", qf, kj.astype(jnp.float32))[..., None] for kj in diag_k]
+    if rows_valid is not None:
+        sd = [jnp.where(rows_valid[:, None, None, :, None], x, -jnp.inf) for x in sd]
     scores = jnp.concatenate([s0] + sd, axis=-1)
     w = jax.nn.softmax(scores, axis=-1)
     w = jnp.where(jnp.isnan(w), 0.0, w)
@@ -270,26 +285,26 @@ def mtp_hidden(head, params, embed_fn, features, tokens, positions, steps: int):
     drafter's cache holds s tokens ahead). Returns one pre-norm [B,T,H] per step.
 
     features [B,T,H] (stop-gradient here); tokens / positions [B,T], positions < 0 padding."""
-    b, t = tokens.shape
     head = dataclasses.replace(head, params=params)
-    hidden_in = [jax.lax.stop_gradient(features)]
-    idx = jnp.arange(t)
-    out = []
+    block = head.module.block
+    valid = positions >= 0
+    hidden = jax.lax.stop_gradient(features)
+    k0 = v0 = None
+    diag_k, diag_v, out = [], [], []
     for s in range(steps):
-        n = (s + 1) * t
-        embeds = jnp.concatenate([jax.lax.stop_gradient(embed_fn(jnp.roll(tokens, -(1 + j), axis=1)))
-                                  for j in range(s + 1)], axis=1)
-        pos = jnp.concatenate([jnp.where(positions >= 0, positions + j, -1) for j in range(s + 1)],
-                              axis=1)
-        step = jnp.repeat(jnp.arange(s + 1), t)  # [n] the draft step of each entry
-        at = jnp.tile(idx, s + 1)  # [n] its base position
-        mask = (((step[None, :] == 0) & (at[None, :] <= at[:, None]))
-                | ((step[None, :] >= 1) & (step[None, :] <= step[:, None])
-                   & (at[None, :] == at[:, None])))
-        h, _ = head.forward(embeds, jnp.concatenate(hidden_in, axis=1), pos, head.init_cache(b, n),
-                            mask=jnp.broadcast_to(mask, (b, n, n)), fuse=True)
-        out.append(h[:, s * t:])
-        hidden_in.append(out[-1])
+        embeds = jax.lax.stop_gradient(embed_fn(jnp.roll(tokens, -(1 + s), axis=1)))
+        x = head.layer_input(embeds, hidden)
+        # the decoder layer split around the TTT pattern (`_ttt_attention`, padding masked)
+        q, k, v = block.self_attn.project(block.attention_input(x),
+                                          jnp.where(valid, positions + s, 0))
+        if s == 0:
+            k0, v0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        attn = _ttt_attention(q, k0, v0, diag_k, diag_v, valid, mask_diag=True)
+        hidden = block.finish(x, attn)
+        out.append(hidden)
     return out
 
 
