@@ -304,6 +304,12 @@ def inspect_mtp(path, *, dtype: str | None = None,
         raise HFCheckpointError(
             f"{file}: num_nextn_predict_layers = {n!r}; an MTP checkpoint needs >= 1 "
             f"(or mtp_num_hidden_layers >= 1; the checkpoint ships no MTP layer)")
+    arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
+    if str(hf.get("model_type", "")).startswith(("qwen3_next", "qwen3_5")):
+        raise UnsupportedModelError(
+            f"{file}: {arch} is a hybrid linear-attention policy; its MTP layer (gated attention, "
+            f"partial RoPE) is not supported yet. The MTP layer is read as a Qwen3/Llama dense "
+            f"decoder layer (jaxspec.models.hybrid loads the trunk itself)")
     try:
         trunk = config_from_hf(hf)
     except UnsupportedModelError as e:
