@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxspec.decoding.draws import choose_draft
 from jaxspec.decoding.drafters import ModelFreeDrafter
+from jaxspec.decoding.engine import generate
 from jaxspec.decoding.protocols import DraftContext, Observation, kv_cache_axes
 from jaxspec.decoding.tree import Tree
 
@@ -179,8 +180,6 @@ def verify_reference(policy, prompts, k: int, **generate_kwargs):
     their tokens (`oracle_drafter(..., completions=verify_reference(...).tokens, ...)`) and
     call `generate` with the same prompts, key, sampling and k. Lossless under replay, as
     every run of the engine: in exact arithmetic these are the plain rollouts."""
-    from jaxspec.decoding.engine import generate
-
     if generate_kwargs.get("method", "replay") != "replay":
         raise ValueError(f"verify_reference needs method='replay' (the verifier's noise); "
                          f"got {generate_kwargs['method']!r}")
