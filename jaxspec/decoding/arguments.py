@@ -94,6 +94,13 @@ def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_policy(policy) -> None:
+    config = getattr(policy, "config", None)
+    if getattr(config, "is_hybrid", False):
+        raise ValueError(
+            f"generate: policy family {config.family!r} (Gated DeltaNet layers) is not supported "
+            "by the decoding engine yet: its recurrent and convolution states must be kept per "
+            "row and rolled back to the accepted prefix after a verify (docs/design.md, "
+            "\"Hybrid policies\"). Use HybridPolicy.forward with its cache")
     if not isinstance(policy, Policy):
         raise TypeError(
             f"policy must be a jaxspec.models.Policy (Policy.init, load_hf); got {describe(policy)}"

@@ -93,13 +93,6 @@ def generate(
       Rollouts: tokens [B, max_new_tokens], lengths [B], log-probs [B, max_new_tokens],
       the call's counters, and the drafter's own (`protocols.ReportsStats`).
     """
-    config = getattr(policy, "config", None)
-    if getattr(config, "is_hybrid", False):  # before anything compiles
-        raise ValueError(
-            f"generate: policy family {config.family!r} (Gated DeltaNet layers) is not "
-            "supported by the decoding engine yet: its recurrent and convolution states must "
-            "be kept per row and rolled back to the accepted prefix after a verify (issue 51; "
-            "docs/design.md, \"Hybrid policies\"). Use HybridPolicy.forward with its cache")
     checked = _checked(policy, prompts, drafter, sampling, max_new_tokens, key, stop_tokens,
                        method, rows, pad_id, slots, adaptive, order, max_iterations)
     inp, spec, nodes, total = checked
