@@ -175,7 +175,8 @@ class MTPHead:
 # mlp.{gate,up,down}_proj: our DecoderLayer (Qwen3 / Llama attention, dense SwiGLU MLP).
 # Not supported, refused by name: MoE MLPs (Qwen3-Next's experts / shared_expert, DeepSeek-V3's),
 # attention biases (MiMo's Qwen2 layer), Qwen3-Next's gated attention (q_proj of 2x rows),
-# MLA, partial RoPE. Only the first MTP layer is read; the LM head is the policy's.
+# MLA, partial RoPE. Only the first MTP layer is read; the LM head is the policy's. A real
+# Qwen3.5 / Qwen3-Next checkpoint (hybrid trunk, by config.json) is jaxspec.models.hybrid_mtp's.
 
 MTP_LAYOUTS = ("deepseek_v3", "mimo", "qwen3_next")
 _COUNT_KEY = {"deepseek_v3": "num_nextn_predict_layers", "mimo": "num_nextn_predict_layers",
@@ -287,14 +288,17 @@ def _mtp_count(hf: dict) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) else 0
 
 
-def inspect_mtp(path, *, dtype: str | None = None,
-                attention_backend: str = "reference") -> MTPConfig:
-    """The MTPConfig of a local HF checkpoint's MTP layer, from its config.json alone."""
+def inspect_mtp(path, *, dtype: str | None = None, attention_backend: str = "reference"):
+    """The MTPConfig of a local HF checkpoint's MTP layer, from its config.json alone (a
+    Qwen3.5 / Qwen3-Next checkpoint's: jaxspec.models.hybrid_mtp's HybridMTPConfig)."""
     import json
     import pathlib
 
     from jaxspec.models.hf import HFCheckpointError, UnsupportedModelError, config_from_hf
+    from jaxspec.models.hybrid_mtp import inspect_hybrid_mtp, is_hybrid_checkpoint
 
+    if is_hybrid_checkpoint(path):
+        return inspect_hybrid_mtp(path, dtype=dtype, attention_backend=attention_backend)
     file = pathlib.Path(path).expanduser() / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: an MTP checkpoint needs config.json")
@@ -304,12 +308,6 @@ def inspect_mtp(path, *, dtype: str | None = None,
         raise HFCheckpointError(
             f"{file}: num_nextn_predict_layers = {n!r}; an MTP checkpoint needs >= 1 "
             f"(or mtp_num_hidden_layers >= 1; the checkpoint ships no MTP layer)")
-    arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
-    if str(hf.get("model_type", "")).startswith(("qwen3_next", "qwen3_5")):
-        raise UnsupportedModelError(
-            f"{file}: {arch} is a hybrid linear-attention policy; its MTP layer (gated attention, "
-            f"partial RoPE) is not supported yet. The MTP layer is read as a Qwen3/Llama dense "
-            f"decoder layer (jaxspec.models.hybrid loads the trunk itself)")
     try:
         trunk = config_from_hf(hf)
     except UnsupportedModelError as e:
@@ -346,14 +344,18 @@ def _unsupported(names: list[str]) -> str:
 def load_mtp(path, *, dtype: str | None = None, attention_backend: str = "reference") -> MTPHead:
     """The first MTP layer of a local HF checkpoint in any of MTP_LAYOUTS (found by
     `mtp_layout`), as an MTPHead on the trunk's last layer. The trunk's own tensors, if
-    present, are ignored; a tensor of the MTP layer we cannot map is an error."""
+    present, are ignored; a tensor of the MTP layer we cannot map is an error. A Qwen3.5 /
+    Qwen3-Next checkpoint (by its config.json) gives jaxspec.models.hybrid_mtp's head."""
     import pathlib
 
     import jax.numpy as jnp
 
     from jaxspec.models.hf import HFCheckpointError, _open, _tensor_files
+    from jaxspec.models.hybrid_mtp import is_hybrid_checkpoint, load_hybrid_mtp
     from jaxspec.models.transformer import param_path
 
+    if is_hybrid_checkpoint(path):
+        return load_hybrid_mtp(path, dtype=dtype, attention_backend=attention_backend)
     path = pathlib.Path(path).expanduser()
     cfg = inspect_mtp(path, dtype=dtype, attention_backend=attention_backend)
     where = _tensor_files(path)

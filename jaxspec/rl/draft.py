@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxspec import parallel
 from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.models.hybrid_mtp import HybridMTPHead
 from jaxspec.rl import chunked
 
 _UNIT_SAMPLING = SamplingConfig(1.0, 0, 1.0)  # the policy's own softmax (the MTP loss's CE)
@@ -318,15 +319,20 @@ def mtp_loss(head, params, embed_fn, features, tokens, positions, response,
     mtp_acc_s = the head's argmax is that token).
 
     features [B,T,H]; tokens / positions / response [B,T] (score_rollouts' packing; positions
-    < 0 on padding); target: the policy's LM head (its `hidden` is unused)."""
+    < 0 on padding); target: the policy's LM head (its `hidden` is unused, except by a
+    Qwen3.5 / Qwen3-Next head (HybridMTPHead): that head reads the policy's final-normed
+    hidden states in place of `features`, and its outputs are already normed)."""
     b, t = tokens.shape
+    normed_states = isinstance(head, HybridMTPHead)
+    if normed_states:
+        features = target.hidden
     hidden = mtp_hidden(head, params, embed_fn, features, tokens, positions, steps)
     module = dataclasses.replace(head, params=params).module
     weight = jax.lax.stop_gradient(target.weight)
     total = jnp.zeros((), jnp.float32)
     metrics = {}
     for s, h in enumerate(hidden):
-        normed = module.norm(h.astype(head.config.layer.param_dtype))  # [B,T,H]
+        normed = h if normed_states else module.norm(h.astype(head.config.layer.param_dtype))
         goal = jnp.roll(tokens, -(2 + s), axis=1)
         counts = jnp.roll(response, -(2 + s), axis=1) & (jnp.arange(t)[None, :] + 2 + s < t)
         lp, _ = chunked.token_logprobs(normed, weight, goal, _UNIT_SAMPLING,

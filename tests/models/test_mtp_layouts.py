@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from jaxspec.models import ModelConfig
-from jaxspec.models.hf import HFCheckpointError, UnsupportedModelError, save_hf
+from jaxspec.models.hf import HFCheckpointError, save_hf
 from jaxspec.models.mtp import MTP_LAYOUTS, MTPHead, load_mtp, save_mtp
 
 L = ModelConfig.tiny("qwen3").num_layers
@@ -181,9 +181,10 @@ def test_tensors_we_cannot_map_are_refused_by_name(make_policy, tmp_path):
     mtp["mtp.layers.0.self_attn.q_proj.weight"] = np.concatenate([q, q])
     with pytest.raises(HFCheckpointError, match="gated attention, not supported"):
         load_mtp(_write(tmp_path / "gated", policy, "qwen3_next", mtp))
-    # a real Qwen3-Next config (hybrid trunk): named, before any tensor is read
+    # a Qwen3-Next config (hybrid trunk) goes to jaxspec.models.hybrid_mtp's loader, which
+    # reads config.json as Qwen3-Next's: this dense one's missing keys named before any tensor
     mtp = _mtp_tensors("qwen3_next", c, seed=7)
-    with pytest.raises(UnsupportedModelError, match="Qwen3NextForCausalLM.*dense decoder layer"):
+    with pytest.raises(HFCheckpointError, match="no 'num_experts_per_tok': a qwen3_next config"):
         load_mtp(_write(tmp_path / "next", policy, "qwen3_next", mtp, config={
             "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}))
     with pytest.raises(ValueError, match=r"MTP layout 'eagle'; valid: \('deepseek_v3', 'mimo'"):
