@@ -519,6 +519,7 @@ class HybridPolicy:
         capture: tuple[int, ...] = (),
         head: bool = True,
         defer_state: bool = False,
+        shard_rows: bool = False,
     ):
         """-> (logits [B,T,V] float32 (head=False: final-normed hidden [B,T,H]), {layer:
         hidden [B,T,H]}, cache). A forward of several tokens runs the chunked delta rule, of
@@ -528,7 +529,11 @@ class HybridPolicy:
         defer_state=True (a speculative verify) runs the recurrent rule, writes the KV
         cache and lengths as usual but leaves the linear layers' states as they were, and
         appends `DeltaSteps`: once the accepted count is known, `steps.commit(cache,
-        accepted)` sets the states after exactly that prefix (`compact` trims the KV)."""
+        accepted)` sets the states after exactly that prefix (`compact` trims the KV).
+
+        shard_rows=True (the training steps; cache=None only) pins the tokens and the output
+        to the batch sharding (`parallel.constrain_rows`) at the forward's ends, not at every
+        layer as `Policy.forward` does."""
         cfg = self.config
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
         if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -560,9 +565,16 @@ class HybridPolicy:
                 raise CacheOverflowError(
                     f"forward would write past the cache: rows {over.tolist()} need "
                     f"{need[over].tolist()} slots, max_len={cache.max_len}")
+        pin = lambda x: x  # noqa: E731
+        if shard_rows and stateless:
+            from jaxspec.parallel import constrain_rows  # (jaxspec.parallel imports the models)
+
+            pin = constrain_rows
+            tokens, positions = pin(tokens), pin(positions)
         with matmul_precision(cfg.dtype):
-            return _forward(self, tokens, positions, cache, None, capture, bool(head), stateless,
-                            bool(defer_state))
+            out = _forward(self, tokens, positions, cache, None, capture, bool(head), stateless,
+                           bool(defer_state))
+        return (pin(out[0]),) + out[1:]
 
 
 jax.tree_util.register_dataclass(HybridPolicy)

@@ -13,11 +13,11 @@ import jax
 
 from jaxspec import parallel
 from jaxspec.metrics import Progress
-from jaxspec.models import Policy, load_hf
+from jaxspec.models import HybridPolicy, ModelConfig, Policy, load_hf
 from jaxspec.rl import faults
 from jaxspec.rl.warmup import encode_pairs, supervised_warmup
 
-__all__ = ["build_draft_model", "build_policy", "export_models", "warm_up"]
+__all__ = ["build_draft_model", "build_policy", "export_models", "policy_class", "warm_up"]
 
 _log = logging.getLogger("jaxspec.rl")
 
@@ -50,22 +50,35 @@ def warm_up(policy: Policy, plan, warmup_cfg, seed: int, what: str, *,
     return policy
 
 
-def _load(path: str, cfg, cluster) -> Policy:
-    """A HF directory straight into its training shardings."""
+def policy_class(config: ModelConfig) -> type[Policy] | type[HybridPolicy]:
+    """The policy class that builds `config`: HybridPolicy for the linear-attention families
+    (qwen3_5, qwen3_next), Policy for the others."""
+    return HybridPolicy if config.is_hybrid else Policy
+
+
+def _load(path: str, cfg, cluster, config: ModelConfig | None = None) -> Policy:
+    """A HF directory straight into its training shardings (those of `config`, the
+    directory's checked config; None: read from its config.json, a dense or MoE model)."""
+    if config is None:
+        shardings = parallel.hf_shardings(path, cluster.train_mesh, cluster.rules)
+    else:
+        shardings = parallel.param_shardings(policy_class(config).abstract(config),
+                                             cluster.train_mesh, cluster.rules)
     return load_hf(path, cfg.model.dtype, attention_backend=cfg.model.attention_backend,
-                   shardings=parallel.hf_shardings(path, cluster.train_mesh, cluster.rules))
+                   shardings=shardings)
 
 
 def build_policy(cfg, plan, cluster, *, resuming: bool,
                  log: Callable[[str], None] | None = None, history: dict | None = None) -> Policy:
     """model.hf_path loaded, or the tiny model: abstract when resuming (the checkpoint
     fills it), else initialised from the run's seed and warmed up."""
+    cls = policy_class(plan.model_config)
     if cfg.model.hf_path is not None:
-        policy = _load(cfg.model.hf_path, cfg, cluster)
+        policy = _load(cfg.model.hf_path, cfg, cluster, plan.model_config)
     elif resuming:
-        return Policy.abstract(plan.model_config)
+        return cls.abstract(plan.model_config)
     else:
-        policy = Policy.init(plan.model_config, jax.random.fold_in(jax.random.key(cfg.run.seed), 0))
+        policy = cls.init(plan.model_config, jax.random.fold_in(jax.random.key(cfg.run.seed), 0))
     if not resuming and cfg.warmup.steps > 0:
         policy = warm_up(policy, plan, cfg.warmup, cfg.run.seed, "policy", log=log,
                          history=history)

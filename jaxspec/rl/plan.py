@@ -18,8 +18,9 @@ from jaxspec.checkpoint import CheckpointManager
 from jaxspec.config import Config, ConfigError, draft_headroom
 from jaxspec.decoding import drafters as drafters_lib
 from jaxspec.kernels import resolve_backend
-from jaxspec.models import ModelConfig, Policy
+from jaxspec.models import ModelConfig
 from jaxspec.rl import tasks as tasks_lib
+from jaxspec.rl.build import policy_class
 from jaxspec.rl.kinds import KINDS
 from jaxspec.rl.cluster import mesh_sizes
 from jaxspec.rl.faults import RunDirError, check_run_dir
@@ -136,6 +137,26 @@ def inspect_head(d, model_config: ModelConfig, dtype: str):
     return head
 
 
+def _check_hybrid(config: ModelConfig) -> None:
+    """What a hybrid policy (jaxspec.models.hybrid) does not do in the trainer, refused by
+    name: the fused decoder-layer kernels, and experts (the router losses and the routing
+    mismatch read a routing record its forward does not return). (ModelConfig refuses the
+    batch-invariant forward.)"""
+    if not config.is_hybrid:
+        return
+    family = config.family
+    if config.fused_kernels == "pallas":
+        raise ConfigError("model.fused_kernels", "pallas", f"family {family!r} has no fused "
+                          "decoder-layer kernels (its layers are Gated DeltaNet and gated "
+                          "attention)", "'auto' or 'xla'")
+    if config.is_moe:
+        raise ConfigError("model.num_experts", config.num_experts,
+                          f"the trainer does not train family {family!r} with experts yet: "
+                          "its forward reports no routing for the router losses and the "
+                          "routing mismatch", "0 (family qwen3_next with dense MLPs), or "
+                          "family qwen3_5")
+
+
 def _tiny_model_config(spec, vocab: int) -> ModelConfig:
     return spec.model_config(vocab)  # the schema built and checked the same ModelConfig
 
@@ -146,7 +167,7 @@ def checkpoint_bytes(cfg: Config, model_config: ModelConfig,
     and the reference (KL), plus a small draft model and its moments. (An EAGLE-3 head is
     about one decoder layer and is left out.)"""
     def nbytes(config):
-        params = Policy.abstract(config).params
+        params = policy_class(config).abstract(config).params
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
     total = nbytes(model_config) * (3 + (cfg.grpo.kl_coef > 0))
@@ -244,6 +265,7 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                               "a HF directory with tokenizer files") from None
     if model_config is None:
         model_config = _tiny_model_config(cfg.model, cfg.model.vocab_size or tokenizer.vocab_size)
+    _check_hybrid(model_config)
     vocab = model_config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise ConfigError("model.vocab_size", vocab,
@@ -290,6 +312,14 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
         raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
                           f"larger than the policy's vocabulary ({vocab})", f"<= {vocab}")
     kind = KINDS[d.kind]
+    if model_config.is_hybrid and (kind.history or tree is not None):
+        key, value = ("draft.tree", dataclasses.asdict(tree)) if tree is not None else \
+            ("draft.kind", d.kind)
+        raise ConfigError(key, value, f"it drafts trees, which policy family "
+                          f"{model_config.family!r} cannot verify: its Gated DeltaNet layers "
+                          f"keep one recurrent state per row, a tree would need one per node",
+                          "chains: draft.tree=null and a draft.kind without history (none, "
+                          "eagle3, mtp, ngram, block)")
     draft_vocab = vocab  # the drafter's vocabulary (a tree expands top_k of it per node)
     if kind.head is not None and kind.head.draft_vocab:
         draft_vocab = d.draft_vocab_size or vocab
@@ -311,6 +341,10 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
                                   "a draft model with the policy's tokenizer")
         else:
             draft_model_config = _tiny_model_config(d.model, vocab)
+            if draft_model_config.is_hybrid:
+                raise ConfigError("draft.model.family", draft_model_config.family,
+                                  "a draft model's recurrent states could not roll back the "
+                                  "drafts it proposed", "qwen3, llama or qwen3_moe")
     # Devices.
     devices = tuple(jax.devices() if devices is None else devices)
     batch = r.prompts_per_step * r.group_size

@@ -207,11 +207,12 @@ def policy_update(
     micro = _micro(data["tokens"].shape[1], grpo_cfg.micro_batch)
 
     moe = policy.config.is_moe
+    route = {"routing": True} if moe else {}  # (a hybrid policy's forward takes no routing)
 
     def loss_fn(params, mb, denominator=None):
         current = policy.replace(params=params)
         hidden, _, _, *routing = current.forward(mb["tokens"], mb["positions"], head=False,
-                                                 routing=moe, shard_rows=True)
+                                                 shard_rows=True, **route)
         lp, entropy = _token_logprobs(current, hidden, mb["tokens"], sampling, filtered,
                                       grpo_cfg.logprob_chunk)
         # without a scoring forward (reused generation log-probs) the training forward's

@@ -162,7 +162,8 @@ def supervised_warmup(
     step in the given order. The steps run as a jitted scan over chunks of at most `chunk`
     steps (the same program each time); `progress(steps done, the chunk's losses)` is called
     after each chunk: the first call includes the compile. Where a step's sequences fit in
-    fewer rows packed (long-tailed lengths), they are packed (`pack_sequences`)."""
+    fewer rows packed (long-tailed lengths), they are packed (`pack_sequences`), except for
+    a hybrid policy (one sequence per row)."""
     tokens = np.asarray(tokens, np.int32)
     loss_mask = np.asarray(loss_mask, bool)
     if steps == 0:
@@ -176,7 +177,9 @@ def supervised_warmup(
     shape = (steps, batch_size, tokens.shape[1])
     tokens, loss_mask, segments = tokens.reshape(shape), loss_mask.reshape(shape), None
     packed = pack_sequences(tokens, loss_mask)
-    if packed[0].shape[1] < batch_size:  # short sequences share rows: fewer rows to run
+    # short sequences share rows: fewer rows to run; not for a hybrid policy, whose linear
+    # layers would carry one sequence's recurrent state into the next (it takes no mask)
+    if packed[0].shape[1] < batch_size and not policy.config.is_hybrid:
         tokens, loss_mask, segments = packed
     n, losses = _chunk_steps(steps, chunk), []
     for start in range(0, steps, n):

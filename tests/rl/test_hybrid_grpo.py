@@ -1,0 +1,182 @@
+"""GRPO with a hybrid policy (family qwen3_5: Gated DeltaNet + gated full attention): the
+logprob stage, the GRPO update's gradient and the supervised warm-up's loss against
+transformers' Qwen3_5ForCausalLM on the same weights (its own forward and autograd), and the
+trainer building, checkpointing and resuming one."""
+
+import numpy as np
+import optax
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.models import HybridPolicy, ModelConfig, save_hf
+from jaxspec.models.hybrid import random_hybrid_policy
+from jaxspec.rl.grpo import GRPOConfig
+from jaxspec.rl.steps import POLICY_INPUTS, policy_update, score_rollouts
+from jaxspec.rl.warmup import supervised_warmup
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+CONFIG = ModelConfig.tiny(
+    "qwen3_5", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=3,
+    layer_types=("linear_attention", "full_attention", "linear_attention"),
+    linear_key_head_dim=8, linear_value_head_dim=8, partial_rotary_factor=0.5)
+SGD = optax.sgd(1.0)  # the update is minus the gradient itself
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(transformers' Qwen3_5ForCausalLM, our policy) on the same O(1) random weights, moved
+    over by our export."""
+    path = tmp_path_factory.mktemp("qwen3_5")
+    policy = random_hybrid_policy(CONFIG, seed=0)
+    save_hf(policy, path)
+    model = transformers.Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, policy
+
+
+def _batch(seed=0):
+    """Ragged prompts and rollouts, right-padded, as the generator hands them over."""
+    rng = np.random.default_rng(seed)
+    prompt_lengths = np.array([3, 5, 2, 4], np.int32)
+    lengths = np.array([9, 4, 11, 1], np.int32)
+    prompts = np.where(np.arange(5) < prompt_lengths[:, None], rng.integers(1, VOCAB, (4, 5)), 0)
+    tokens = np.where(np.arange(11) < lengths[:, None], rng.integers(1, VOCAB, (4, 11)), 0)
+    return (jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths),
+            jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths), jnp.zeros((4, 11), jnp.float32))
+
+
+def _hf_rows(batch):
+    """Each row's prompt + rollout as one unpadded sequence (transformers sees no padding)."""
+    prompts, plens, tokens, lengths, _ = (np.asarray(a) for a in batch)
+    return [np.concatenate([prompts[i, :plens[i]], tokens[i, :lengths[i]]])
+            for i in range(len(plens))], plens
+
+
+def _hf_logprobs(model, seq, plen):  # -> log p of the rollout tokens [n] (torch, with grad)
+    logits = model(torch.tensor(seq)[None]).logits[0].float()
+    lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+    return lp[plen - 1:]
+
+
+def test_scored_logprobs_equal_transformers(pair):
+    model, policy = pair
+    batch = _batch()
+    scored = score_rollouts(policy, None, *batch, SamplingConfig(1.0), chunk=16)
+    rows, plens = _hf_rows(batch)
+    errs = []
+    for i, seq in enumerate(rows):
+        with torch.no_grad():
+            want = _hf_logprobs(model, seq, plens[i]).numpy()
+        got = np.asarray(scored["logprobs"][i])[np.asarray(scored["mask"][i])]
+        assert got.shape == want.shape
+        errs.append(np.abs(got - want).max())
+    assert max(errs) <= 1e-5, errs
+    assert np.abs(np.asarray(scored["logprobs"])[~np.asarray(scored["mask"])]).max() == 0
+
+
+def _update_delta(policy, scored, adv, grpo):
+    new, _, metrics = policy_update(policy, SGD.init(policy.params), scored, adv,
+                                    SamplingConfig(1.0), optimizer=SGD, grpo_cfg=grpo,
+                                    minibatches=1, filtered=False)
+    return jax.tree.map(lambda a, b: a - b, new.params, policy.params), metrics
+
+
+def _hf_grpo_grads(model, batch, adv, drop_last=False):
+    """transformers' autograd of the GRPO loss at ratio 1 (old = current log-probs):
+    -sum over rollout tokens of A * exp(lp - stop_grad(lp)) / number of tokens."""
+    rows, plens = _hf_rows(batch)
+    model.zero_grad()
+    total, count = 0.0, 0
+    for i, seq in enumerate(rows):
+        lp = _hf_logprobs(model, seq, plens[i])
+        if drop_last:
+            lp = lp[:-1]
+        total = total - adv[i] * torch.exp(lp - lp.detach()).sum()
+        count += lp.shape[0]
+    (total / count).backward()
+    return {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
+
+
+def test_grpo_update_gradient_equals_transformers_autograd(pair, tmp_path):
+    """The update of plain SGD (lr 1) is minus the GRPO gradient; exported under HF's tensor
+    names it equals transformers' autograd of the same loss, leaf by leaf. Negative control:
+    the gradient with one rollout token left out is outside the tolerance."""
+    from safetensors.numpy import load_file
+
+    model, policy = pair
+    batch = _batch(1)
+    adv = np.array([1.0, -0.5, 0.3, -0.8], np.float32)
+    scored = score_rollouts(policy, None, *batch, SamplingConfig(1.0), chunk=16)
+    scored = {k: scored[k] for k in POLICY_INPUTS if k in scored}
+    grpo = GRPOConfig(kl_coef=0.0, logprob_chunk=16)
+    delta, metrics = _update_delta(policy, scored, jnp.asarray(adv), grpo)
+    save_hf(policy.replace(params=jax.tree.map(lambda d: -d, delta)), tmp_path)
+    ours = {k: v for f in sorted(tmp_path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    want = _hf_grpo_grads(model, batch, adv)
+    control = _hf_grpo_grads(model, batch, adv, drop_last=True)
+    assert set(ours) == set(want)
+
+    def rel_err(ref):
+        return max(np.abs(ours[k] - ref[k]).max() / np.abs(ref[k]).max() for k in ref)
+
+    assert float(metrics["clip_fraction"]) == 0.0
+    print(f"GRPO gradient vs transformers: {rel_err(want):.2e} of each leaf's largest; "
+          f"one token left out: {rel_err(control):.2e}")
+    assert rel_err(want) <= 1e-4, rel_err(want)
+    assert rel_err(control) > 1e-2  # the tolerance tells one token apart
+
+
+def test_warmup_loss_is_transformers_cross_entropy_one_sequence_per_row(pair):
+    """The first warm-up step's loss (before any update) is transformers' mean NLL of the
+    target tokens, the sequences unpacked: short sequences packed into one row would carry
+    a recurrent state from one into the next."""
+    model, policy = pair
+    rng = np.random.default_rng(3)
+    lens = np.array([20, 3, 4, 5])  # the three short ones would pack into one row
+    tokens = np.where(np.arange(20) < lens[:, None], rng.integers(1, VOCAB, (4, 20)), 0)
+    mask = (np.arange(20) >= 1) & (np.arange(20) < lens[:, None] - 1)  # targets t + 1
+    _, losses = supervised_warmup(policy, tokens, mask, steps=1, batch_size=4, lr=1e-3)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for i, n in enumerate(lens):
+            seq = tokens[i, :n]
+            lp = torch.log_softmax(model(torch.tensor(seq)[None]).logits[0].float(), -1)
+            picked = lp[:-1].gather(1, torch.tensor(seq[1:])[:, None])[:, 0].numpy()
+            nll -= picked[mask[i, :n - 1]].sum()
+            count += mask[i].sum()
+    np.testing.assert_allclose(losses[0], nll / count, rtol=1e-5)
+
+
+
+# A tiny Qwen3.5-layout policy in the trainer's config (configs/tiny.yaml, jaxspec.testing.rl)
+HYBRID = ["model.family=qwen3_5", "model.num_layers=4",
+          "model.layer_types=[linear_attention, linear_attention, linear_attention, "
+          "full_attention]", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+          "model.linear_key_head_dim=16", "model.linear_value_head_dim=16",
+          "model.linear_conv_kernel_dim=4", "model.partial_rotary_factor=0.25"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["draft.kind=history"], r"draft.kind.*history.*drafts trees.*qwen3_5.*chains"),
+    (["draft.tree={top_k: 2, depth: 2, budget: 4}"], r"draft.tree.*drafts trees"),
+    (["model.fused_kernels=pallas"], r"model.fused_kernels.*no fused decoder-layer kernels"),
+    (["model.family=qwen3_next", "model.num_experts=4", "model.num_experts_per_tok=2",
+      "model.moe_intermediate_size=16"], r"model.num_experts.*4.*routing"),
+    (["draft.kind=draft_model", "draft.model={family: qwen3_5, num_layers: 2, layer_types: "
+      "[linear_attention, full_attention], linear_num_key_heads: 1, linear_num_value_heads: 1, "
+      "linear_key_head_dim: 8, linear_value_head_dim: 8, linear_conv_kernel_dim: 2}"],
+     r"draft.model.family.*qwen3_5.*roll back"),
+], ids=["history", "tree", "fused_kernels", "next-experts", "hybrid-draft-model"])
+def test_what_the_trainer_cannot_do_with_a_hybrid_is_one_error_before_compiling(
+        tmp_path, extra, message):
+    from jaxspec.config import ConfigError
+    from jaxspec.rl.plan import prepare_run
+    from jaxspec.testing.rl import make_config
+
+    with pytest.raises(ConfigError, match=message):
+        prepare_run(make_config(tmp_path, *HYBRID, *extra))
