@@ -247,16 +247,8 @@ class HybridMTPHead(MTPHead):
 class HybridMTPDrafter(_HeadDrafter):
     """Chain drafts from Qwen3.5 / Qwen3-Next's MTP head (`HybridMTPHead`). The engine
     captures the policy's last layer (`capture_layers`), as for `MTPDrafter`; `observe` puts
-    it through the policy's final norm, the state the head reads. Trees are refused for a
-    hybrid policy, whose verify takes chains only."""
-
-    def check_compatible(self, policy) -> None:
-        super().check_compatible(policy)
-        if self.tree is not None and policy.config.is_hybrid:
-            raise ValueError(
-                f"HybridMTPDrafter with a TreeSpec: a {policy.config.family!r} policy verifies "
-                "chains only (its linear-attention layers keep one state per row, not per tree "
-                "node); pass tree=None")
+    it through the policy's final norm, the state the head reads. (A hybrid policy verifies
+    chains only: the engine refuses a `tree` for it.)"""
 
     def observe(self, state, policy, obs: Observation):
         (layer,) = self.head.capture_layers

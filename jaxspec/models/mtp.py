@@ -61,6 +61,10 @@ class MTPHead:
     @staticmethod
     def init_for(policy, key: jax.Array) -> "MTPHead":
         pc = policy.config
+        if pc.is_hybrid:  # Qwen3.5 / Qwen3-Next: their own MTP layer (jaxspec.models.hybrid_mtp)
+            from jaxspec.models.hybrid_mtp import HybridMTPHead
+
+            return HybridMTPHead.init_for(policy, key)
         cfg = MTPConfig(layer=pc.without_experts().replace(num_layers=1),
                         capture_layers=(pc.num_layers - 1,))
         return MTPHead.init_for_config(cfg, key)
@@ -248,15 +252,24 @@ def save_mtp(head: MTPHead, path, *, layout: str = "deepseek_v3", policy=None) -
     """Write config.json (the trunk's fields with num_hidden_layers = L and the layout's MTP
     count key = 1) and model.safetensors with the head in `layout` (one of MTP_LAYOUTS). With
     `policy` (deepseek_v3 only), also the shared embed_tokens / shared_head.head copies
-    DeepSeek-V3 checkpoints carry; the other layouts share the trunk's tensors."""
+    DeepSeek-V3 checkpoints carry; the other layouts share the trunk's tensors. A Qwen3.5 /
+    Qwen3-Next head (jaxspec.models.hybrid_mtp) has one layout, its checkpoint's mtp.*
+    (layout deepseek_v3, the default, or qwen3_next): `save_hybrid_mtp`, the whole model
+    with `policy`."""
     import json
     import pathlib
 
     from safetensors.numpy import save_file
 
     from jaxspec.models.hf import config_to_hf
+    from jaxspec.models.hybrid_mtp import HybridMTPHead, save_hybrid_mtp
     from jaxspec.models.transformer import param_path
 
+    if isinstance(head, HybridMTPHead):  # Qwen3.5 / Qwen3-Next: their mtp.* layout only
+        if layout not in ("deepseek_v3", "qwen3_next"):
+            raise ValueError(f"save_mtp: a Qwen3.5 / Qwen3-Next head has its checkpoint's "
+                             f"layout only; got layout {layout!r} (valid: 'qwen3_next')")
+        return save_hybrid_mtp(head, path, policy=policy)
     cfg = head.config
     _prefixes(layout, cfg)  # a bad layout fails before anything is written
     if policy is not None and layout != "deepseek_v3":
