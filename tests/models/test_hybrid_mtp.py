@@ -361,40 +361,50 @@ def test_training_unroll_is_what_the_drafter_computes(family):
             np.testing.assert_allclose(hidden[0, 0], unrolled[s][0, at], atol=1e-5)
 
 
-def test_mtp_loss_trains_the_head_on_the_policys_final_normed_states():
-    """mtp_loss with a HybridMTPHead reads TargetHead.hidden (the final-normed states), not
-    `features`; its step-0 loss is the reference's cross-entropy; a few Adam steps lower it."""
+def test_the_in_loop_update_trains_it_on_the_policys_final_normed_states(tmp_path):
+    """The trainer's path as it is (rl.steps.score_rollouts with the head's capture layers,
+    then rl.steps.mtp_update): the head reads score_rollouts' target_hidden (final-normed),
+    not its captured `features`; the step-0 loss is the NumPy reference's cross-entropy on
+    token t+2 at response positions; a few Adam updates lower it."""
     import optax
 
-    from jaxspec.rl.draft import TargetHead, mtp_loss, mtp_train_step
+    from jaxspec.decoding.sampling import SamplingConfig
+    from jaxspec.rl.draft import DraftLossConfig, TargetHead, mtp_loss
+    from jaxspec.rl.steps import mtp_update, score_rollouts
 
     policy = _policy("qwen3_5")
     head = _random_head(policy)
     cfg = policy.config
     rng = np.random.default_rng(6)
-    b, t = 2, 9
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    response = jnp.asarray(np.arange(t)[None] >= 2).repeat(b, 0)
-    final, _, _ = policy.forward(tokens, positions, head=False)
-    target = TargetHead(final, policy.params["lm_head"][...], vocab_axis=1)
-    garbage = jnp.full(final.shape, 1e3)  # `features` is not read by this head
-    loss, _ = mtp_loss(head, head.params, policy.embed, garbage, tokens, positions, response,
-                       target, steps=1)
-    out = head.forward(policy.embed(jnp.roll(tokens, -1, 1)), final, positions,
-                       head.init_cache(b, 16), fuse=True)[0]
-    logp = jax.nn.log_softmax(head.draft_logits(out, policy)[0], -1)
-    goal = np.roll(np.asarray(tokens), -2, 1)
-    count = np.asarray(np.roll(response, -2, 1)) & (np.arange(t)[None] + 2 < t)
-    want = -np.sum(np.where(count, np.take_along_axis(np.asarray(logp), goal[..., None], -1)[..., 0],
-                            0)) / count.sum()
-    assert float(loss) == pytest.approx(want, rel=1e-5)
+    prompts = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 4)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 8)), jnp.int32)
+    scored = score_rollouts(policy, None, prompts, jnp.array([4, 3], jnp.int32), tokens,
+                            jnp.array([8, 6], jnp.int32), jnp.zeros((2, 8)),
+                            SamplingConfig(1.0, 0, 1.0), capture=head.capture_layers)
+    target = TargetHead(scored["target_hidden"], policy.params["lm_head"][...], vocab_axis=1)
+    garbage = jnp.full(scored["features"].shape, 1e3)  # `features` is not read by this head
+    loss, _ = mtp_loss(head, head.params, policy.embed, garbage, scored["tokens"],
+                       scored["positions"], scored["response"], target, steps=1)
+
+    w = _exported(head, tmp_path)
+    embed, lm = np.asarray(policy.params["embed_tokens"][...], np.float64), _lm_head(policy)
+    terms = []
+    for r in range(2):
+        n = int(np.sum(np.asarray(scored["positions"][r]) >= 0))  # prompt + rollout
+        seq = np.asarray(scored["tokens"][r, :n])
+        hidden = np.asarray(scored["target_hidden"][r, :n - 1], np.float64)
+        _, logits = reference_mtp(w, lm, cfg, embed[seq[1:]], hidden, np.arange(n - 1))
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        response = np.asarray(scored["response"][r])
+        terms += [-logp[i, seq[i + 2]] for i in range(n - 2) if response[i + 2]]
+    assert len(terms) == 8 + 6  # every rollout token (each has an entry two before it)
+    assert float(loss) == pytest.approx(np.mean(terms), rel=1e-5)
+
     opt = optax.adam(3e-2)
-    state = opt.init(head.params)
-    step = jax.jit(lambda hd, s: mtp_train_step(hd, s, opt, policy.embed, garbage, tokens,
-                                                positions, response, target, steps=2))
-    losses = []
-    for _ in range(8):
-        head, state, metrics = step(head, state)
+    state, losses = opt.init(head.params), []
+    for _ in range(5):
+        head, state, metrics = mtp_update(head, state, policy, scored, optimizer=opt,
+                                          loss_cfg=DraftLossConfig(steps=2))
         losses.append(float(metrics["draft_loss"]))
-    assert losses[-1] < 0.7 * losses[0]
+    assert losses[-1] < 0.2 * losses[0]
