@@ -324,6 +324,29 @@ def test_chain_drafts_are_the_reference_run_recursively(family, dtype, tmp_path)
         assert got[0] == want[0]
 
 
+@pytest.mark.parametrize("method", ["replay", "rejection"])
+def test_generate_with_the_drafter_is_the_plain_rollout(method):
+    """generate(drafter=HybridMTPDrafter) on a hybrid policy: under replay token for token the
+    plain rollout (with the same key), and drafts were accepted; rejection runs too."""
+    from jaxspec.decoding import SamplingConfig, generate
+    from jaxspec.decoding.arguments import check_policy
+
+    policy = _policy("qwen3_5")
+    try:
+        check_policy(policy)
+    except ValueError:
+        pytest.skip("the engine does not run hybrid policies at this commit")
+    prompts = np.random.default_rng(8).integers(0, policy.config.vocab_size, (2, 5))
+    kw = dict(sampling=SamplingConfig(1.0, 0, 1.0), max_new_tokens=12, key=jax.random.key(0),
+              method=method)
+    spec = generate(policy, prompts, drafter=HybridMTPDrafter(_random_head(policy), k=3), **kw)
+    assert int(np.sum(spec.stats.accepted_at)) > 0
+    if method == "replay":
+        plain = generate(policy, prompts, **kw)
+        np.testing.assert_array_equal(spec.tokens, plain.tokens)
+        np.testing.assert_array_equal(spec.lengths, plain.lengths)
+
+
 def test_head_refuses_a_mismatched_policy():
     head = _random_head(_policy("qwen3_5"))
     other = _policy("qwen3_5").config.replace(vocab_size=96)
