@@ -50,6 +50,7 @@ __all__ = [
     "constrain",
     "constrain_params",
     "constrain_rows",
+    "gather_weight",
     "hf_shardings",
     "initialize_distributed",
     "local_batch_rows",
@@ -58,6 +59,7 @@ __all__ = [
     "param_shardings",
     "place",
     "resolve_rules",
+    "row_shards",
     "restore_target",
     "shard_batch",
     "shard_cache",
@@ -461,16 +463,57 @@ def constrain_rows(
     devices, XLA all-gathers each layer's weights (sharded over `embed`) for its matmuls
     and reduce-scatters their gradients, instead of splitting the matmuls along the hidden
     dimension and all-reducing [B, T, mlp] partial sums (docs/scaling.md)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    rules = resolve_rules(rules)
-    axes = tuple(a for a in (rules["batch"] or ()) if mesh.shape[a] > 1)
-    if not axes or np.shape(x)[dim] % math.prod(mesh.shape[a] for a in axes):
+    axes = _row_axes(np.shape(x)[dim], rules)
+    if not axes:
         return x
     spec = [None] * np.ndim(x)
     spec[dim] = axes[0] if len(axes) == 1 else axes
     return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def _row_axes(rows: int, rules: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """The mesh axes (size > 1) the `batch` rule splits `rows` over inside jit; () without a
+    mesh or when their product does not divide `rows`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    axes = tuple(a for a in (resolve_rules(rules)["batch"] or ()) if mesh.shape[a] > 1)
+    if not axes or rows % math.prod(mesh.shape[a] for a in axes):
+        return ()
+    return axes
+
+
+def row_shards(rows: int, rules: Mapping[str, Any] | None = None) -> int:
+    """Inside jit: how many batch shards `constrain_rows` splits `rows` into (1 without a
+    mesh, or when the batch axes do not divide `rows`). An MoE layer routes and blocks
+    each shard's tokens on their own (jaxspec.models.moe), so its expert matmuls keep the
+    rows split and FSDP gathers the expert weights."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in _row_axes(rows, rules)) if not mesh.empty else 1
+
+
+def gather_weight(
+    w,  # a layer's weight, one logical axis name per dimension
+    logical_axes: Sequence[str | None],
+    rules: Mapping[str, Any] | None = None,
+):
+    """Inside jit: pin a weight to its rule sharding with the batch mesh axes left out (the
+    dimensions they split made whole; expert and tensor splits kept): FSDP's all-gather of
+    a layer's weight before a computation that XLA would otherwise feed from the sharded
+    weight (an MoE layer gathers per-block copies of its experts' weights: without this,
+    XLA gathers them from the embed shards and exchanges the copies, many times the
+    weight's bytes). Its gradient is reduce-scattered back by `constrain_params`.
+    Unchanged without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return w
+    batch = set(resolve_rules(rules)["batch"] or ())
+    spec = []
+    for entry in logical_to_mesh(logical_axes, rules):
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ())
+                     if a not in batch)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return jax.lax.with_sharding_constraint(w, P(*spec))
 
 
 def constrain_params(tree, rules: Mapping[str, Any] | None = None):

@@ -30,8 +30,12 @@ grouped matmul of jaxspec.kernels.grouped (each routed expert's weights read onc
 stacked [E, H, I] arrays, an empty expert not at all; its backward is Pallas too), and a
 decode-sized forward runs `_gathered_reduce`, whose products are summed by reductions that
 XLA fuses the expert gathers into (einsum's matmuls take a gathered copy of the weights
-first: 2-3x the bytes). On a mesh of several devices the XLA paths stay (XLA cannot
-partition the kernel's custom call). docs/BENCHMARKS.md has the compiled programs' bytes.
+first: 2-3x the bytes). On a mesh whose batch axes split the rows, each batch shard's
+tokens are routed and blocked on their own (`_per_shard`), so FSDP gathers whole expert
+weights instead of all-reducing partial sums of every row's tokens; there the kernel runs
+per device in a shard_map when only batch axes split the weights (XLA cannot partition
+its custom call), the XLA paths otherwise. docs/BENCHMARKS.md has the compiled programs'
+bytes and collectives.
 With `batch_invariant` every product is a per-row `tree_sum` over the gathered expert's
 weights (jaxspec.kernels.invariant), so a token's output never depends on the other tokens
 routed with it (a grouped matmul's tiling does: the group sizes change with the batch).
@@ -46,6 +50,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.kernels.grouped import fits as grouped_fits
 from jaxspec.kernels.grouped import group_bounds, grouped_matmul
@@ -59,12 +64,92 @@ __all__ = ["EXPERT_BLOCK", "MoE", "load_balancing_loss", "router_z_loss", "routi
 # fewer): each block is one expert's, so its padding costs at most E blocks of rows.
 EXPERT_BLOCK = 128
 
+# The logical axes of gate_proj, up_proj, down_proj (jaxspec.parallel's rules place them).
+_EXPERT_AXES = (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed"))
+
 
 def _one_gpu() -> bool:
     """Whether the forward is built for a GPU (kernels.platform) on at most one device: the
     grouped Pallas kernel is one custom call, which XLA cannot partition over a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     return platform() == "gpu" and (mesh.empty or mesh.size == 1)
+
+
+def _per_shard(path, w, rows: int, x, weights, experts, kernel=None):
+    # [N, H], [N, K], [N, K] -> [N, H]
+    """`path` over the tokens of each batch shard on its own (the N = rows * T tokens split
+    in order into the shards `parallel.constrain_rows` gives the rows), the shard axis
+    pinned to the batch sharding and the expert weights `w` gathered whole first
+    (`parallel.gather_weight`): every device sorts and blocks only its own tokens and XLA
+    all-gathers the expert weights for the expert matmuls (FSDP; their gradients are
+    reduce-scattered), instead of splitting the matmuls over `embed` and all-reducing
+    partial sums of every row's tokens together (docs/scaling.md). Without a mesh (or batch
+    shards that do not divide the rows) `path` over all tokens.
+
+    `kernel` (the grouped Pallas matmul, on a GPU) runs instead of `path` in a shard_map over
+    the batch axes, each device's weights all-gathered inside it (reduce-scattered in the
+    backward), when the weights are split over batch axes only (no expert or tensor split).
+    """
+    from jaxspec import parallel  # (jaxspec.parallel imports the models)
+
+    shards = parallel.row_shards(rows)
+    if shards == 1:
+        return path(x, weights, experts, w)
+    k = weights.shape[-1]
+    if kernel is not None and _kernel_fits(x.shape[0] // shards * k, w):
+        return _kernel_shards(kernel, shards, x, weights, experts, w)
+    w = tuple(parallel.gather_weight(a, axes) for a, axes in zip(w, _EXPERT_AXES, strict=True))
+    split = [parallel.constrain_rows(a.reshape((shards, -1) + a.shape[1:]))
+             for a in (x, weights, experts)]
+    out = parallel.constrain_rows(jax.vmap(lambda *a: path(*a, w))(*split))
+    return out.reshape(x.shape)
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _kernel_fits(assignments: int, w) -> bool:
+    """Whether the grouped kernel takes a shard's assignments with the expert weights split
+    over the batch mesh axes only (an expert or tensor split leaves a device part of them)."""
+    from jaxspec import parallel
+
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = set(parallel.resolve_rules()["batch"] or ())
+    for axes in _EXPERT_AXES:
+        for entry in parallel.logical_to_mesh(axes):
+            if any(mesh.shape[a] > 1 and a not in batch for a in _spec_axes(entry)):
+                return False
+    _, h, i = w[0].shape
+    return grouped_fits(assignments, h, i)
+
+
+def _kernel_shards(kernel, shards: int, x, weights, experts, w):
+    """`kernel` on each device's tokens in a shard_map over every mesh axis (rows split over
+    the batch axes), each expert weight all-gathered over the axes that split it (the
+    transpose: a reduce-scatter of its gradient)."""
+    from jaxspec import parallel
+
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in (parallel.resolve_rules()["batch"] or ()) if mesh.shape[a] > 1)
+    rows = P(axes[0] if len(axes) == 1 else axes)
+    specs = tuple(parallel.logical_to_mesh(a) for a in _EXPERT_AXES)
+
+    def body(x, weights, experts, *w):  # this device's [1, n, ...] tokens, its weight shards
+        whole = []
+        for a, spec in zip(w, specs, strict=True):
+            for dim, entry in enumerate(spec):
+                split = tuple(n for n in _spec_axes(entry) if mesh.shape[n] > 1)
+                if split:
+                    a = jax.lax.all_gather(a, split if len(split) > 1 else split[0], axis=dim,
+                                           tiled=True)
+            whole.append(a)
+        return kernel(x[0], weights[0], experts[0], tuple(whole))[None]
+
+    split = [a.reshape((shards, -1) + a.shape[1:]) for a in (x, weights, experts)]
+    out = jax.shard_map(body, in_specs=(rows,) * 3 + specs, out_specs=rows,
+                        axis_names=frozenset(mesh.axis_names), check_vma=False)(*split, *w)
+    return out.reshape(x.shape)
 
 
 def _param(rngs, shape, dtype, axes):
@@ -83,9 +168,10 @@ class MoE(nnx.Module):
         dtype = config.param_dtype
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.router = _param(rngs, (h, e), dtype, ("embed", None))
-        self.gate_proj = _param(rngs, (e, h, i), dtype, ("experts", "embed", "mlp"))
-        self.up_proj = _param(rngs, (e, h, i), dtype, ("experts", "embed", "mlp"))
-        self.down_proj = _param(rngs, (e, i, h), dtype, ("experts", "mlp", "embed"))
+        gate, up, down = _EXPERT_AXES
+        self.gate_proj = _param(rngs, (e, h, i), dtype, gate)
+        self.up_proj = _param(rngs, (e, h, i), dtype, up)
+        self.down_proj = _param(rngs, (e, i, h), dtype, down)
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(h, config.shared_expert_intermediate_size, dtype=dtype,
                                      rngs=rngs, invariant=config.batch_invariant)
@@ -133,12 +219,11 @@ class MoE(nnx.Module):
               and grouped_fits(flat.shape[0] * cfg.num_experts_per_tok, h,
                                cfg.moe_intermediate_size)):
             out = self._grouped(flat, weights, experts)
-        elif cfg.expert_backend == "dense":
-            out = self._dense(flat, weights, experts)
-        elif cfg.expert_backend == "blocked":
-            out = self._blocked(flat, weights, experts)
         else:
-            out = self._ragged(flat, weights, experts)
+            path = {"dense": self._dense, "blocked": self._blocked}.get(cfg.expert_backend,
+                                                                        self._ragged)
+            kernel = self._grouped if cfg.expert_backend == "blocked" and platform() == "gpu" else None
+            out = _per_shard(path, self._experts(), b, flat, weights, experts, kernel)
         if self.shared_expert is not None:
             shared = self.shared_expert(x).reshape(b * t, h)
             if cfg.batch_invariant:
@@ -151,25 +236,30 @@ class MoE(nnx.Module):
         return (out.reshape(b, t, h), logits.reshape(b, t, cfg.num_experts),
                 experts.reshape(b, t, k))
 
-    def _ragged(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]
+    def _experts(self):  # -> (gate_proj [E, H, I], up_proj [E, H, I], down_proj [E, I, H])
+        return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+
+    def _ragged(self, x, weights, experts, w=None):  # [N, H], [N, K], [N, K] -> [N, H]
         """Grouped matmuls over the assignments sorted by expert."""
+        wg, wu, wd = self._experts() if w is None else w
         n, k = experts.shape
         e = self.config.num_experts
         flat = experts.reshape(-1)  # [N*K] in (token, slot) order
         order = jnp.argsort(flat, stable=True)  # assignment indices grouped by expert
         sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)  # [E]
         xs = x[order // k]  # [N*K, H] each assignment's token, grouped by expert
-        gate = jax.lax.ragged_dot(xs, self.gate_proj[...], sizes)
-        up = jax.lax.ragged_dot(xs, self.up_proj[...], sizes)
-        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], sizes)  # [N*K, H]
+        gate = jax.lax.ragged_dot(xs, wg, sizes)
+        up = jax.lax.ragged_dot(xs, wu, sizes)
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wd, sizes)  # [N*K, H]
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to (token, slot)
         return jnp.sum(y * weights[..., None], axis=1)
 
-    def _grouped(self, x, weights, experts, interpret: bool = False):
+    def _grouped(self, x, weights, experts, w=None, interpret: bool = False):
         """The grouped Pallas kernel (jaxspec.kernels.grouped): the assignments sorted by
         expert, each projection one kernel that reads each routed expert's weights in place
         (no per-block weight copy, no zero buffers, no searchsorted), results gathered
         back in (token, slot) order with the inverse permutation."""
+        wg, wu, wd = self._experts() if w is None else w
         n, k = experts.shape
         e = self.config.num_experts
         flat = experts.reshape(-1)  # [N*K] in (token, slot) order
@@ -180,8 +270,8 @@ class MoE(nnx.Module):
         def gmm(a, w):
             return grouped_matmul(a, w, starts, ends, False, interpret)
 
-        gate, up = gmm(xs, self.gate_proj[...]), gmm(xs, self.up_proj[...])
-        ys = gmm(jax.nn.silu(gate) * up, self.down_proj[...])  # [N*K, H] grouped order
+        gate, up = gmm(xs, wg), gmm(xs, wu)
+        ys = gmm(jax.nn.silu(gate) * up, wd)  # [N*K, H] grouped order
         back = jnp.argsort(order)  # each (token, slot)'s row in the grouped order
         y = ys[back].reshape(n, k, -1)
         return jnp.sum(y * weights[..., None], axis=1)
@@ -211,11 +301,12 @@ class MoE(nnx.Module):
         y = jnp.einsum("nki,nkih->nkh", jax.nn.silu(gate) * up, self.down_proj[...][experts])
         return jnp.sum(y * weights[..., None], axis=1)
 
-    def _blocked(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]
+    def _blocked(self, x, weights, experts, w=None):  # [N, H], [N, K], [N, K] -> [N, H]
         """A grouped matmul from batched ones: the assignments sorted by expert, each expert's
         group padded to whole blocks of EXPERT_BLOCK rows, every block multiplied by its
         expert's weights (gathered per block). Static shapes, FLOPs within E blocks of the
         assignments', on any backend (no ragged_dot lowering needed)."""
+        wg, wu, wd = self._experts() if w is None else w
         n, k = experts.shape
         e, h = self.config.num_experts, x.shape[-1]
         m = n * k
@@ -233,18 +324,19 @@ class MoE(nnx.Module):
         xs = jnp.zeros((blocks * block, h), x.dtype).at[rows].set(x[order // k])
         owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), e - 1)
         xb = xs.reshape(blocks, block, h)
-        gate = jnp.einsum("bth,bhi->bti", xb, self.gate_proj[...][owner])
-        up = jnp.einsum("bth,bhi->bti", xb, self.up_proj[...][owner])
-        yb = jnp.einsum("bti,bih->bth", jax.nn.silu(gate) * up, self.down_proj[...][owner])
+        gate = jnp.einsum("bth,bhi->bti", xb, wg[owner])
+        up = jnp.einsum("bth,bhi->bti", xb, wu[owner])
+        yb = jnp.einsum("bti,bih->bth", jax.nn.silu(gate) * up, wd[owner])
         ys = yb.reshape(blocks * block, h)[rows]  # [M, H] grouped order
         y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, h)
         return jnp.sum(y * weights[..., None], axis=1)
 
-    def _dense(self, x, weights, experts):  # [N, H], [N, K], [N, K] -> [N, H]
+    def _dense(self, x, weights, experts, w=None):  # [N, H], [N, K], [N, K] -> [N, H]
         """Every expert over every token; unchosen experts weigh 0."""
-        gate = jnp.einsum("nh,ehi->eni", x, self.gate_proj[...])
-        up = jnp.einsum("nh,ehi->eni", x, self.up_proj[...])
-        y = jnp.einsum("eni,eih->enh", jax.nn.silu(gate) * up, self.down_proj[...])  # [E, N, H]
+        wg, wu, wd = self._experts() if w is None else w
+        gate = jnp.einsum("nh,ehi->eni", x, wg)
+        up = jnp.einsum("nh,ehi->eni", x, wu)
+        y = jnp.einsum("eni,eih->enh", jax.nn.silu(gate) * up, wd)  # [E, N, H]
         picked = jnp.take_along_axis(jnp.moveaxis(y, 0, 1), experts[:, :, None], axis=1)  # [N, K, H]
         return jnp.sum(picked * weights[..., None], axis=1)
 
