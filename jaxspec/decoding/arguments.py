@@ -13,10 +13,11 @@ import numpy as np
 
 from jaxspec.decoding.adaptive import AdaptiveK
 from jaxspec.decoding.drafters import NoDrafter
+from jaxspec.decoding.policy_cache import check_chains
 from jaxspec.decoding.protocols import AdaptiveLength, Drafter
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.verify import METHODS
-from jaxspec.models import Policy
+from jaxspec.models import HybridPolicy, Policy
 
 
 def describe(value, limit: int = 60) -> str:
@@ -94,16 +95,10 @@ def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_policy(policy) -> None:
-    config = getattr(policy, "config", None)
-    if getattr(config, "is_hybrid", False):
-        raise ValueError(
-            f"generate: policy family {config.family!r} (Gated DeltaNet layers) is not supported "
-            "by the decoding engine yet: its recurrent and convolution states must be kept per "
-            "row and rolled back to the accepted prefix after a verify (docs/design.md, "
-            "\"Hybrid policies\"). Use HybridPolicy.forward with its cache")
-    if not isinstance(policy, Policy):
+    if not isinstance(policy, (Policy, HybridPolicy)):
         raise TypeError(
-            f"policy must be a jaxspec.models.Policy (Policy.init, load_hf); got {describe(policy)}"
+            f"policy must be a jaxspec.models.Policy or HybridPolicy (Policy.init, load_hf); got "
+            f"{describe(policy)}"
         )
 
 
@@ -114,6 +109,7 @@ def check_drafter(drafter, policy, method: str) -> None:
             f"or be None; got {describe(drafter)}"
         )
     drafter.check_compatible(policy)
+    check_chains(drafter, policy)
     if method == "rejection" and not drafter.supports_rejection:
         raise ValueError(
             f"method='rejection' needs sampled chain drafts with their probabilities; "

@@ -94,6 +94,7 @@ class BlockDrafter:
     max_depth = property(lambda self: self.k)
     capture_layers = property(lambda self: self.head.capture_layers)
     uses_verifier_noise = property(lambda self: self.coupled)  # DraftContext.verifier_noise
+    drafts_chains = True
     supports_rejection = True
     forwards_per_propose = 1  # the body, once per draft
     forwards_per_observe = 1  # the context projections

@@ -61,6 +61,7 @@ class NoDrafter(ModelFreeDrafter):
 
     num_nodes = 0
     max_depth = 0
+    drafts_chains = True  # (the empty chain)
     supports_rejection = True  # rejection over an empty tree is plain sampling
 
     def propose(self, state, policy, ctx: DraftContext):
@@ -95,6 +96,7 @@ class NGramDrafter(ModelFreeDrafter):
 
     num_nodes = property(lambda self: self.k)
     max_depth = property(lambda self: self.k)
+    drafts_chains = True
     supports_rejection = False
 
     def with_k(self, k: int) -> NGramDrafter:
@@ -148,6 +150,7 @@ class DraftModelDrafter:
     max_depth = property(lambda self: self.k)
     uses_verifier_noise = property(lambda self: self.coupled)  # DraftContext.verifier_noise
     capture_layers = ()
+    drafts_chains = True
     supports_rejection = True
     forwards_per_propose = property(lambda self: self.k)
     forwards_per_observe = 1
@@ -157,6 +160,12 @@ class DraftModelDrafter:
         return dataclasses.replace(self, k=k)
 
     def check_compatible(self, policy) -> None:
+        if not isinstance(self.model, Policy):  # a hybrid draft model's states would keep the
+            # drafts it proposed (propose rolls back only the KV lengths)
+            raise ValueError(
+                f"DraftModelDrafter.model must be a jaxspec.models.Policy (dense or MoE); got "
+                f"{type(self.model).__name__} (family {self.model.config.family!r}), whose "
+                f"recurrent states propose cannot roll back")
         mine, theirs = self.model.config.vocab_size, policy.config.vocab_size
         if mine != theirs:
             raise ValueError(

@@ -25,16 +25,11 @@ from jaxspec.decoding.phases import (
     plain_index,
     plain_phase,
 )
-from jaxspec.decoding.protocols import (
-    HasStateAxes,
-    ReportsStats,
-    StateAxes,
-    kv_cache_axes,
-)
+from jaxspec.decoding.policy_cache import cache_axes, sharded
+from jaxspec.decoding.protocols import HasStateAxes, ReportsStats, StateAxes
 from jaxspec.decoding.slots import harvest
 from jaxspec.decoding.stats import Rollouts
 from jaxspec.kernels import compiler_options, platform
-from jaxspec.models import KVCache
 
 FIRST_CAPACITY = 64  # cache slots of the first segment when the cache grows
 
@@ -44,7 +39,7 @@ def growth_axes(policy, drafter) -> tuple | None:
     None (fixed size); None overall when the drafter declares no axes (then no growing)."""
     if not isinstance(drafter, HasStateAxes):
         return None
-    axes = jax.tree.leaves((kv_cache_axes(), drafter.state_axes(policy)),
+    axes = jax.tree.leaves((cache_axes(policy), drafter.state_axes(policy)),
                            is_leaf=lambda x: isinstance(x, StateAxes))
     return tuple(a.length for a in axes)
 
@@ -70,7 +65,7 @@ def capacity_tiers(policy, drafter, width: int, nodes: int, max_len: int, grow_c
 def grow_state(state: LoopState, policy, drafter, *, capacity: int, pad_id: int, axes: tuple,
                classes: tuple = ()) -> LoopState:
     """`state` moved into a cache of `capacity` slots: every capacity-sized leaf (the token
-    buffer, log-probs, the policy's KV cache, the drafter's leaves along their declared
+    buffer, log-probs, the policy's KV cache (`policy_cache.cache_axes`), the drafter's leaves along their declared
     `length` axis: `axes`, from `growth_axes`) copied into the front of a fresh one.
     `classes` (`LoopSpec.classes`) keeps the program of one drafter class from another's."""
     del classes
@@ -82,9 +77,7 @@ def grow_state(state: LoopState, policy, drafter, *, capacity: int, pad_id: int,
         for x, f, ax in zip(leaves, jax.tree.leaves(fresh), axes)
     ]
     cache, draft_state = jax.tree.unflatten(treedef, grown)
-    cache = KVCache(k=parallel.constrain(cache.k, parallel.KV_CACHE_AXES),
-                    v=parallel.constrain(cache.v, parallel.KV_CACHE_AXES),
-                    lengths=parallel.constrain(cache.lengths, ("batch",)))
+    cache = sharded(cache)  # (a hybrid's recurrent states have no capacity axis: carried as is)
     pad = ((0, 0), (0, capacity - old))
     return dataclasses.replace(
         state,

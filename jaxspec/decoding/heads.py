@@ -117,6 +117,10 @@ class _HeadDrafter:
         return self.tree is None
 
     @property
+    def drafts_chains(self) -> bool:
+        return self.tree is None
+
+    @property
     def forwards_per_propose(self) -> int:
         return self.k - 1 if self.tree is None else self.tree.depth - 1
 

@@ -28,10 +28,10 @@ from jaxspec.decoding.protocols import (
     Finished,
     Observation,
 )
+from jaxspec.decoding.policy_cache import is_recurrent, keep_accepted, sharded, verify_forward
 from jaxspec.decoding.slots import harvest, refill
 from jaxspec.decoding.stats import RolloutStats
 from jaxspec.decoding.verify import replay_noise, verify
-from jaxspec.models import KVCache, compact
 
 
 def running(spec: LoopSpec, inp: LoopInputs, s: LoopState):
@@ -52,12 +52,6 @@ def where_now(spec: LoopSpec, inp: LoopInputs, s: LoopState, plain_index: int | 
     return jnp.stack([ended, ~ended & ~running(spec, inp, s), plain_goes_on])
 
 
-def _sharded_cache(cache: KVCache) -> KVCache:  # rows over batch axes, KV heads over tensor
-    return KVCache(k=parallel.constrain(cache.k, parallel.KV_CACHE_AXES),
-                   v=parallel.constrain(cache.v, parallel.KV_CACHE_AXES),
-                   lengths=parallel.constrain(cache.lengths, ("batch",)))
-
-
 def start(spec: LoopSpec, inp: LoopInputs) -> LoopState:
     """The state before the first iteration: the first `slots` prompts (in `order`) in the
     buffer, every prompt token but the last (the first root) prefilled and observed."""
@@ -68,7 +62,7 @@ def start(spec: LoopSpec, inp: LoopInputs) -> LoopState:
     buffer = parallel.constrain(buffer, ("batch", "length"))  # no-ops outside jax.set_mesh
     positions = jnp.arange(width, dtype=jnp.int32)[None, :]
     positions = jnp.where(positions < first_lengths[:, None] - 1, positions, -1)
-    cache = _sharded_cache(policy.init_cache(batch, spec.max_len))
+    cache = sharded(policy.init_cache(batch, spec.max_len))
     _, captured, cache = policy.forward(first_tokens, positions, cache, capture=spec.capture)
     draft_state = drafter.observe(drafter.init_state(policy, batch, spec.max_len), policy, Observation(
         fed_tokens=first_tokens, next_tokens=jnp.roll(first_tokens, -1, axis=1),
@@ -97,9 +91,10 @@ def start(spec: LoopSpec, inp: LoopInputs) -> LoopState:
 
 
 def _route_buffers(policy, batch: int, spec: LoopSpec) -> dict:
-    """An MoE policy's routing buffers (LoopState.routes / out_routes), all -1; {} if dense."""
+    """An MoE policy's routing buffers (LoopState.routes / out_routes), all -1; {} if dense
+    (or hybrid: its forward reports no routing)."""
     cfg = policy.config
-    if not cfg.is_moe:
+    if not cfg.is_moe or is_recurrent(policy):
         return {}
     tail = (cfg.num_layers, cfg.num_experts_per_tok)
     return dict(routes=jnp.full((batch, spec.max_len) + tail, -1, jnp.int32),
@@ -196,9 +191,8 @@ def step(spec: LoopSpec, inp: LoopInputs, s: LoopState, depth) -> LoopState:
     tree, draft_probs, draft_state = d.propose(s.draft_state, policy, ctx)
     fed = jnp.concatenate([root, tree.tokens], axis=1)  # [slots, N+1]
     positions = jnp.where(active[:, None], tree.positions(root_pos), -1)
-    logits, captured, cache, *routing = policy.forward(
-        fed, positions, s.cache, mask=tree.attention_mask(), capture=spec.capture,
-        routing=s.routes is not None)
+    logits, captured, cache, routing, steps = verify_forward(
+        policy, fed, positions, s.cache, tree, capture=spec.capture, routing=s.routes is not None)
     # Plain decoding is verification of an empty tree: one code path for both.
     verdict = verify(inp.key, logits, tree, inp.sampling, method=spec.method, positions=s.lengths,
                      draft_probs=draft_probs, rows=slot_rows, noise=ctx.verifier_noise)
@@ -207,7 +201,8 @@ def step(spec: LoopSpec, inp: LoopInputs, s: LoopState, depth) -> LoopState:
     write_at = jnp.where(offs < n_emit[:, None], s.lengths[:, None] + offs, spec.max_len)
     b_idx = jnp.arange(spec.slots)[:, None]
     kept = jnp.where((offs < (verdict.num_accepted + 1)[:, None]) & active[:, None], verdict.path, -1)
-    cache = compact(cache, kept, num_fed=d.num_nodes + 1, fed_mask=active, prefix=tree.is_chain)
+    cache = keep_accepted(cache, steps, kept, num_fed=d.num_nodes + 1, fed_mask=active,
+                          prefix=tree.is_chain)
     obs = _observation(fed, captured, verdict, kept, n_emit, root_pos)
     draft_state, pending, observed = depth.absorb(spec, inp, s, draft_state, obs)
     stats = _counted(spec, s, depth, verdict.num_accepted, n_emit, active,
@@ -217,7 +212,7 @@ def step(spec: LoopSpec, inp: LoopInputs, s: LoopState, depth) -> LoopState:
         logprobs=s.logprobs.at[b_idx, write_at].set(verdict.logprobs, mode="drop"),
         lengths=s.lengths + n_emit, done=done, cache=cache, draft_state=draft_state,
         stats=stats, pending=pending,
-        routes=None if s.routes is None else _routed(s.routes, routing[0], kept, n_emit,
+        routes=None if s.routes is None else _routed(s.routes, routing, kept, n_emit,
                                                       root_pos, spec.max_len))
     out = depth.after(inp, out, verdict.num_accepted, active, iteration)
     if spec.refill:

@@ -60,6 +60,7 @@ class OracleDrafter(ModelFreeDrafter):
     k = property(lambda self: len(self.acceptance))
     num_nodes = property(lambda self: self.k)
     max_depth = property(lambda self: self.k)
+    drafts_chains = True
     supports_rejection = False
 
     def with_k(self, k: int) -> OracleDrafter:
@@ -146,6 +147,7 @@ class VerifyWindowDrafter:
     max_depth = property(lambda self: self.k)
     uses_verifier_noise = True  # DraftContext.verifier_noise (method="replay")
     capture_layers = ()
+    drafts_chains = True
     supports_rejection = False
     forwards_per_propose = property(lambda self: self.k)
     forwards_per_observe = 1

@@ -128,7 +128,7 @@ class Drafter(Protocol):
     costs (a drafter never counts anything itself). What more a drafter can do it declares
     by implementing the capability protocols below (`HasStateAxes`, `RefillsRows`,
     `AdaptiveLength`, `EstimatesAcceptance`, `CouplesVerifierNoise`, `ReportsStats`,
-    `ChecksPrompts`); the engine
+    `ChecksPrompts`, `DraftsChains`); the engine
     checks them once per call, on the host. A drafter that reads other rollouts finds them
     by prompt, not by row: `DraftContext.sequences` says which prompt each row holds and
     `DraftContext.finished` holds the rollouts that left their rows (as `HistoryDrafter`
@@ -219,6 +219,15 @@ class EstimatesAcceptance(Protocol):
         were), over the live rows of the last draft made; [] bool: a draft has been made), or
         None where this drafter, as configured, has no estimate. Only past drafts enter it, so
         a k chosen from it depends on past iterations only."""
+
+
+@runtime_checkable
+class DraftsChains(Protocol):
+    """A drafter that may declare that its every proposal is a chain (`Tree.is_chain`): a
+    hybrid (Gated DeltaNet) policy verifies nothing else (one recurrent state per row)."""
+
+    @property
+    def drafts_chains(self) -> bool: ...  # True: every proposal is a chain
 
 
 @runtime_checkable

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decoding.loop_state import LoopInputs, LoopSpec, LoopState
+from jaxspec.decoding.policy_cache import cache_axes, write_row
 from jaxspec.decoding.protocols import Observation, StateAxes
 
 
@@ -91,12 +92,9 @@ def _prefill_slot(spec: LoopSpec, inp: LoopInputs, slot, prompt, carry, defer_pr
     pos = jnp.arange(width, dtype=jnp.int32)[None, :]
     pos = jnp.where(pos < inp.prompt_lengths[prompt] - 1, pos, -1)
     _, captured, sub = policy.forward(toks, pos, policy.init_cache(1, width), capture=spec.capture)
-    cache = dataclasses.replace(  # the slot's first `width` entries; the rest is stale
-        cache,  # and never read (a row holds slots [0, lengths))
-        k=jax.lax.dynamic_update_slice_in_dim(cache.k, sub.k, slot, axis=1),
-        v=jax.lax.dynamic_update_slice_in_dim(cache.v, sub.v, slot, axis=1),
-        lengths=cache.lengths.at[slot].set(sub.lengths[0]),
-    )
+    # the slot's first `width` entries (the rest is stale and never read) and its lengths; a
+    # hybrid's recurrent states from the prefill's, which started at zero
+    cache = write_row(cache, sub, slot, cache_axes(policy))
     obs = Observation(fed_tokens=toks, next_tokens=jnp.roll(toks, -1, axis=1), positions=pos,
                       captured=captured)
     if not defer_prompts:

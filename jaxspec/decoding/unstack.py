@@ -39,6 +39,8 @@ def decoding_policy(policy: Policy) -> Policy:
     Time a policy's forwards through it to measure what the engine pays: a bare policy's
     forward on CPU scans the stacked layers, which copies each layer's weights at every
     forward."""
+    if not isinstance(policy, Policy):  # a HybridPolicy runs its layers unrolled from its stacks
+        return policy
     if policy.layer_params is not None or not policy.decodes_unrolled(0, 0):
         return policy
     leaves = jax.tree.leaves(policy.params)
