@@ -164,14 +164,24 @@ def test_speculative_equals_plain(policy, setup, name):
         assert np.all(accepted > 0) and np.all(accepted < proposed), (accepted, proposed)
 
 
-def test_refilled_slots_equal_plain(policy, setup):
-    """Five prompts through two slots: rows refill mid-call (the stop token ends rows at
-    different steps), each refilled slot's states starting from its prompt's prefill."""
-    out = generate(policy, PROMPTS, drafter=setup["drafters"]["oracle"],
-                   sampling=setup["sampling"], max_new_tokens=MAX_NEW, key=KEY,
-                   stop_tokens=(17,), slots=2)
-    _assert_plain(out, setup["plain"])
+def test_refilled_slots_equal_plain_qwen3_next():
+    """Family qwen3_next (fused projections, experts: its rollouts carry no routes): five
+    prompts through two slots, rows refilled mid-call (a row ends at the stop token or its
+    budget), each refilled slot's states starting from its prompt's prefill."""
+    policy = random_hybrid_policy(ModelConfig.tiny(
+        "qwen3_next", hidden_size=32, intermediate_size=64, num_layers=3, layer_types=(L, F, L),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+        seed=2)
+    common = dict(sampling=SamplingConfig(temperature=1.0), max_new_tokens=MAX_NEW, key=KEY,
+                  stop_tokens=(17,))
+    plain = generate(policy, PROMPTS, **common)
+    tokens, lengths = pad_prompts(PROMPTS)
+    drafter = oracle_drafter(tokens, lengths, plain.tokens, [0.9, 0.7, 0.5], vocab_size=128)
+    out = generate(policy, PROMPTS, drafter=drafter, slots=2, **common)
+    _assert_plain(out, plain)
     assert int(out.stats.prefill_forwards) == len(PROMPTS) - 2
+    assert out.routes is None and float(out.stats.acceptance_length) > 1.5
 
 
 def test_adaptive_k_equals_plain(policy, setup):
