@@ -59,7 +59,9 @@ def generate(
     compiles; a SamplingConfig holding traced values cannot be.
 
     Args:
-      policy: the policy sampled from.
+      policy: the policy sampled from: a `Policy`, or a `HybridPolicy` (Gated DeltaNet
+        layers: chain drafts only, its recurrent states committed after each verify's
+        accepted drafts; `policy_cache`).
       prompts: token-id lists, or a (tokens [B, P], lengths [B]) pair.
       drafter: proposes the drafts (None: plain decoding).
       sampling: temperature, top-k, top-p (None: temperature 1).

@@ -18,7 +18,7 @@ from jaxspec.decoding.adaptive import AdaptiveK, AdaptState
 from jaxspec.decoding.protocols import Drafter, Observation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.stats import RolloutStats
-from jaxspec.models import KVCache, Policy
+from jaxspec.models import HybridCache, HybridPolicy, KVCache, Policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class LoopSpec:
 class LoopInputs:
     """The call's arguments as the loop reads them (traced: new values do not recompile)."""
 
-    policy: Policy
+    policy: Policy | HybridPolicy
     drafter: Drafter
     prompt_tokens: jax.Array  # [prompts, P] int32 right-padded
     prompt_lengths: jax.Array  # [prompts] int32
@@ -92,7 +92,7 @@ class LoopState:
     logprobs: jax.Array  # [slots, max_len] log-probs of generated tokens at their positions
     lengths: jax.Array  # [slots] committed tokens (the root is the last of them)
     done: jax.Array  # [slots] bool (finished, or empty: no prompt left to start)
-    cache: KVCache
+    cache: KVCache | HybridCache  # the policy's (`policy_cache`)
     draft_state: Any
     stats: RolloutStats
     prompt_of: jax.Array  # [slots] int32 the prompt each slot holds (or last held)
