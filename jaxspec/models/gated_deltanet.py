@@ -25,8 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["causal_conv", "delta_rule_chunked", "delta_rule_recurrent", "l2_normalize",
-           "CHUNK"]
+__all__ = ["causal_conv", "chunk_cumsum", "delta_rule_chunked", "delta_rule_recurrent",
+           "l2_normalize", "CHUNK"]
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's default)
 
@@ -34,6 +34,29 @@ CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's defa
 def l2_normalize(x, eps: float = 1e-6):  # [..., d] -> [..., d] (FLA's l2norm: rsqrt(|x|^2 + eps))
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _two_sum(a, b):  # -> (s, e): s = fl(a + b) and its rounding error, a + b = s + e exactly
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
+
+
+def chunk_cumsum(g):  # [..., C] -> [..., C]: prefix sums, each rounded once to float32
+    """Prefix sums of the log decays as transformers' CPU `cumsum` gives them (it accumulates
+    float32 in float64): a float32 running sum drifts by an ulp of the sum per step, and the
+    chunked rule's decays exp(c_i - c_j) take that drift as a relative error (c reaches
+    -1000 in a chunk of strong decay, an ulp 6e-5). Each sum is carried as a float32
+    (value, rounding error) pair (Knuth's two-sum) and rounded once at the end."""
+    def add(x, y):
+        s, e = _two_sum(x[0], y[0])
+        e = e + (x[1] + y[1])
+        hi = s + e
+        return hi, e - (hi - s)
+
+    g = g.astype(jnp.float32)
+    hi, lo = jax.lax.associative_scan(add, (g, jnp.zeros_like(g)), axis=-1)
+    return hi + lo
 
 
 def _expand_heads(q, k, num_v_heads):  # [B, T, Hk, dk] -> [B, T, Hv, dk]: a key head serves
@@ -94,7 +117,7 @@ def delta_rule_chunked(
         return jnp.swapaxes(jnp.moveaxis(a, 1, 0), 2, 3)
 
     q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))  # g, beta: [N, B, Hv, C]
-    cum = jnp.cumsum(g, axis=-1)  # [N, B, Hv, C]
+    cum = chunk_cumsum(g)  # [N, B, Hv, C]
     lower = jnp.tril(jnp.ones((c, c), bool))  # j <= i
     strict = jnp.tril(jnp.ones((c, c), bool), -1)  # j < i
     gap = cum[..., :, None] - cum[..., None, :]  # c_i - c_j
