@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.kernels import tree_attention
+from jaxspec.kernels import CacheLayer, tree_attention
 from jaxspec.models.cache import CacheOverflowError, KVCache, new_token_mask
 from jaxspec.models.config import ModelConfig, matmul_precision
 from jaxspec.models.gated_deltanet import (
@@ -234,11 +234,11 @@ class GatedAttention(nnx.Module):
         self,
         x,  # [B, T, H] the residual stream
         positions,  # [B, T] int32
-        k_cache,  # [B, S, kv_heads, head_dim]
-        v_cache,  # [B, S, kv_heads, head_dim]
+        k_cache,  # [B, S, kv_heads, head_dim], or a CacheLayer of the stacked cache
+        v_cache,  # [B, S, kv_heads, head_dim], or a CacheLayer
         cache_lengths,  # [B] int32, <= S
         mask,  # [B, T, T] bool among the new tokens
-    ):  # -> (x [B, T, H], k [B, T, kv_heads, head_dim], v)
+    ):  # -> (x [B, T, H], k [B, T, kv_heads, head_dim], v), + the stacks for CacheLayers
         cfg = self.config
         d = cfg.head_dim
         h = self.input_layernorm(x)
@@ -248,11 +248,15 @@ class GatedAttention(nnx.Module):
         v = jnp.einsum("btf,fnd->btnd", h, self.v_proj[...])
         q = apply_partial_rope(self.q_norm(q), positions, cfg)
         k = apply_partial_rope(self.k_norm(k), positions, cfg)
+        threaded = isinstance(k_cache, CacheLayer)
         heads = tree_attention(q, k_cache, v_cache, cache_lengths, k, v, mask,
-                               backend=cfg.attention_backend)
+                               backend=cfg.attention_backend, thread=threaded)
+        if threaded:  # the stacks passed on (kernels.blocked): XLA keeps one buffer
+            heads, k_cache, v_cache = heads
         heads = heads * jax.nn.sigmoid(gate)
         b, t, n, _ = heads.shape
-        return x + jnp.dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1)), k, v
+        x = x + jnp.dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1))
+        return (x, k, v, k_cache.stack, v_cache.stack) if threaded else (x, k, v)
 
 
 class FeedForward(nnx.Module):
@@ -314,6 +318,7 @@ class HybridTransformer(nnx.Module):
         capture: tuple[int, ...] = (),
         head: bool = True,
         defer: bool = False,
+        layer_params: dict | None = None,  # {stack: per-layer params} (unstack_layers)
     ):  # -> (logits [B, T, V] f32 or hidden [B, T, H], {layer: [B, T, H]}, HybridCache,
         #     DeltaSteps or None); defer: see GatedDeltaNet
         cfg = self.config
@@ -327,18 +332,32 @@ class HybridTransformer(nnx.Module):
 
         def layer(name, j):
             graphdef, params = split[name]
+            if layer_params is not None:  # per-layer arrays: read in place (no slice copy)
+                return nnx.merge(graphdef, layer_params[name][j])
             return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], params))
 
-        convs, states, keys, values, steps, captured = [], [], [], [], [], {}
+        # The states are updated in place layer by layer and the attention reads its layer
+        # of the stacked KV cache unsliced (a slice or a stack of per-layer results is a
+        # copy of the whole state or cache layer in XLA).
+        conv_all, state_all = cache.conv, cache.state
+        k_stack, v_stack = cache.kv.k, cache.kv.v
+        keys, values, steps, captured = [], [], [], {}
         for i, (mixer, m, ffn, f) in enumerate(layer_plan(cfg)):
             if mixer == "linear_layers":
-                x, conv, state, step = layer(mixer, m)(x, order, counts, cache.conv[m],
-                                                       cache.state[m], defer)
-                convs.append(conv)
+                x, conv, state, step = layer(mixer, m)(x, order, counts, conv_all[m],
+                                                       state_all[m], defer)
+                if not defer:
+                    conv_all, state_all = conv_all.at[m].set(conv), state_all.at[m].set(state)
                 steps.append(step)
-                states.append(state)
-            else:
-                x, k, v = layer(mixer, m)(x, positions, cache.kv.k[m], cache.kv.v[m], lengths, mask)
+            elif k_stack.shape[2]:  # slots to attend to
+                index = jnp.asarray(m, jnp.int32)
+                x, k, v, k_stack, v_stack = layer(mixer, m)(
+                    x, positions, CacheLayer(k_stack, index), CacheLayer(v_stack, index),
+                    lengths, mask)
+                keys.append(k)
+                values.append(v)
+            else:  # a stateless forward: no cached slots
+                x, k, v = layer(mixer, m)(x, positions, k_stack[m], v_stack[m], lengths, mask)
                 keys.append(k)
                 values.append(v)
             x = layer(ffn, f)(x)
@@ -346,17 +365,19 @@ class HybridTransformer(nnx.Module):
                 captured[i] = x
         x = self.norm(x)
         if head:
-            w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-            x = jnp.einsum("bth,hv->btv", x, w, preferred_element_type=jnp.float32)
-        kv = cache.kv
+            x = self.logits(x)
+        kv = dataclasses.replace(cache.kv, k=k_stack, v=v_stack)
         if keys and kv.max_len:  # (a stateless forward's cache holds no slots)
             kv = kv.write(jnp.stack(keys), jnp.stack(values), valid)
         kv = kv.advance(valid)
-        cache = HybridCache(kv=kv, conv=jnp.stack(convs) if convs else cache.conv,
-                            state=jnp.stack(states) if states else cache.state)
+        cache = HybridCache(kv=kv, conv=conv_all, state=state_all)
         if defer and steps:
             steps = jax.tree.map(lambda *a: jnp.stack(a), *steps)
         return x, captured, cache, steps if defer else None
+
+    def logits(self, h):  # [B, T, H] final-normed -> [B, T, V] float32 (the LM head, or tied)
+        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("bth,hv->btv", h, w, preferred_element_type=jnp.float32)
 
 
 # --------------------------------------------------------------------------- cache
@@ -457,7 +478,8 @@ class DeltaSteps:
 @functools.partial(jax.jit, static_argnames=("capture", "head", "stateless", "defer"))
 def _forward(policy, tokens, positions, cache, mask, capture, head, stateless, defer=False):
     model = nnx.merge(policy.graphdef, policy.params)
-    logits, captured, cache, steps = model(tokens, positions, cache, mask, capture, head, defer)
+    logits, captured, cache, steps = model(tokens, positions, cache, mask, capture, head, defer,
+                                           policy.layer_params)
     out = (logits, captured, None if stateless else cache)
     return out + (steps,) if defer else out
 
@@ -471,6 +493,39 @@ class HybridPolicy:
     config: ModelConfig = dataclasses.field(metadata=dict(static=True))
     graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
     params: nnx.State
+    # {stack: (layer 0's params, ...)}: per-layer copies of the stacked weights, which the
+    # forward reads in place instead of slicing the stacks (`unstack_layers`)
+    layer_params: dict | None = None
+
+    def unstack_layers(self) -> HybridPolicy:
+        """This policy with per-layer copies of its stacked weights, which `forward` reads
+        instead of slicing a stack per layer (a slice feeding a matmul is a copy of the
+        layer's weights at every step on a GPU: 2.8x the decode floor at a Qwen3.5-27B
+        shape, docs/BENCHMARKS.md). The same numbers. Call it once outside a decoding loop:
+        the copies cost one read of the weights and hold a second copy of them."""
+        if self.layer_params is not None:
+            return self
+        stacks = {name: self.params[name] for name in _STACKS if name in self.params}
+        return self.replace(layer_params={
+            name: tuple(jax.tree.map(lambda a, j=j: a[j], stack)
+                        for j in range(jax.tree.leaves(stack)[0].shape[0]))
+            for name, stack in stacks.items() if jax.tree.leaves(stack)})
+
+    def without_stacked_layers(self) -> HybridPolicy:
+        """This policy with per-layer weights attached (`unstack_layers`) minus the stacked
+        weights (each an empty array): a program that runs the forward from the per-layer
+        copies does not take both as arguments (XLA counts arguments against its memory
+        limit and rematerialises past it)."""
+        if self.layer_params is None:
+            raise ValueError("without_stacked_layers: attach the per-layer weights first "
+                             "(unstack_layers); the forward would have no layers")
+        params = nnx.State(dict(self.params))
+        for name in self.layer_params:
+            params[name] = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((0,) + tuple(a.shape[1:]), a.dtype)
+                if isinstance(a, jax.ShapeDtypeStruct) else jnp.zeros((0,) + a.shape[1:], a.dtype),
+                self.params[name])
+        return self.replace(params=params)
 
     @classmethod
     def abstract(cls, config: ModelConfig) -> HybridPolicy:
@@ -502,6 +557,10 @@ class HybridPolicy:
     @property
     def logical_axes(self):
         return nnx.get_partition_spec(self.params)
+
+    @property
+    def module(self) -> HybridTransformer:  # (its `logits`: the LM head draft heads run)
+        return nnx.merge(self.graphdef, self.params)
 
     def init_cache(self, batch: int, max_len: int) -> HybridCache:
         return HybridCache.zeros(self.config, batch, max_len)

@@ -20,6 +20,7 @@ import pytest
 
 from jaxspec.decoding import (
     AdaptiveK,
+    BlockDrafter,
     DraftModelDrafter,
     Eagle3Drafter,
     HistoryDrafter,
@@ -33,6 +34,7 @@ from jaxspec.decoding import (
 from jaxspec.decoding.arguments import pad_prompts
 from jaxspec.decoding.oracle import oracle_drafter
 from jaxspec.models import ModelConfig, Policy
+from jaxspec.models.block import BlockHead
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.hybrid import HybridPolicy, random_hybrid_policy
 from jaxspec.testing.laws import continuation_counts, continuation_law, law_test
@@ -68,15 +70,18 @@ def setup(policy):
     plain = generate(policy, PROMPTS, sampling=sampling, max_new_tokens=MAX_NEW, key=KEY,
                      stop_tokens=(17,))
     tokens, lengths = pad_prompts(PROMPTS)
-    # EAGLE-3 head shaped for the policy (Eagle3Head.init_for reads only the config's sizes)
+    # EAGLE-3 and block heads shaped for the policy (their init_for reads only the config's
+    # sizes, from a dense config: a hybrid one's layer pattern would go into their layer)
     dense_like = types.SimpleNamespace(config=ModelConfig.tiny(
         "qwen3", vocab_size=128, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2))
     head = Eagle3Head.init_for(dense_like, 96, jax.random.key(1), capture_layers=(0, 1, 2))
+    block = BlockHead.init_for(dense_like, jax.random.key(2), block_size=4, num_layers=1)
     drafters = {
         "oracle": oracle_drafter(tokens, lengths, plain.tokens, [0.9, 0.7, 0.5], vocab_size=128),
         "ngram": NGramDrafter(k=3, min_n=1, max_n=2),
         "draft_model": DraftModelDrafter(_small_dense(128), k=2),
         "eagle3_chain": Eagle3Drafter(head, k=3),
+        "block": BlockDrafter(block, k=3),  # reads the policy's LM head (HybridPolicy.module)
     }
     return dict(plain=plain, sampling=sampling, drafters=drafters, head=head)
 
@@ -152,7 +157,7 @@ def test_commit_keeps_the_states_plain_decoding_holds(policy):
 # --------------------------------------------------------------------------- replay
 
 
-@pytest.mark.parametrize("name", ["oracle", "ngram", "draft_model", "eagle3_chain"])
+@pytest.mark.parametrize("name", ["oracle", "ngram", "draft_model", "eagle3_chain", "block"])
 def test_speculative_equals_plain(policy, setup, name):
     out = generate(policy, PROMPTS, drafter=setup["drafters"][name], sampling=setup["sampling"],
                    max_new_tokens=MAX_NEW, key=KEY, stop_tokens=(17,))
