@@ -22,6 +22,8 @@ decode carries: the last kernel-1 inputs of each row.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -29,6 +31,13 @@ __all__ = ["causal_conv", "chunk_cumsum", "delta_rule_chunked", "delta_rule_recu
            "l2_normalize", "CHUNK"]
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's default)
+
+# The rule's products run in full float32 whatever precision the caller's context sets (a
+# bfloat16 policy, `DeltaSteps.commit` outside the forward): JAX's default rounds float32
+# operands to TF32 on a GPU, and the two forms would then drift apart (speculative rollouts
+# replay the recurrent one against the chunked one's prefill state).
+_einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+_matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 
 
 def l2_normalize(x, eps: float = 1e-6):  # [..., d] -> [..., d] (FLA's l2norm: rsqrt(|x|^2 + eps))
@@ -82,10 +91,10 @@ def delta_rule_recurrent(
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv], [B, Hv], [B, Hv]
         s = s * jnp.exp(g_t)[..., None, None]
-        predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        predicted = _einsum("bhkv,bhk->bhv", s, k_t)
         correction = b_t[..., None] * (v_t - predicted)
         s = s + k_t[..., :, None] * correction[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        return s, _einsum("bhkv,bhk->bhv", s, q_t)
 
     xs = tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (q, k, v, g, beta))
     state, out = jax.lax.scan(step, state.astype(f32), xs)
@@ -122,22 +131,22 @@ def delta_rule_chunked(
     strict = jnp.tril(jnp.ones((c, c), bool), -1)  # j < i
     gap = cum[..., :, None] - cum[..., None, :]  # c_i - c_j
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, gap, 0.0)), 0.0)  # [N, B, Hv, C, C]
-    kk = jnp.einsum("...ik,...jk->...ij", k, k)
+    kk = _einsum("...ik,...jk->...ij", k, k)
     system = jnp.eye(c, dtype=f32) + jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
     rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(cum))[..., None] * k], axis=-1)
     solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
                                              unit_diagonal=True)
     u_free, w = solved[..., :dv], solved[..., dv:]  # U = u_free - w S_0
-    qk = jnp.einsum("...ik,...jk->...ij", q, k) * decay
+    qk = _einsum("...ik,...jk->...ij", q, k) * decay
     q_decayed = jnp.exp(cum)[..., None] * q
     k_to_end = jnp.exp(cum[..., -1:] - cum)[..., None] * k
     end_decay = jnp.exp(cum[..., -1])[..., None, None]  # [N, B, Hv, 1, 1]
 
     def step(s, xs):
         u_free, w, q_decayed, qk, k_to_end, end_decay = xs
-        u = u_free - w @ s  # [B, Hv, C, dv]
-        out = q_decayed @ s + qk @ u
-        s = end_decay * s + jnp.swapaxes(k_to_end, -1, -2) @ u
+        u = u_free - _matmul(w, s)  # [B, Hv, C, dv]
+        out = _matmul(q_decayed, s) + _matmul(qk, u)
+        s = end_decay * s + _matmul(jnp.swapaxes(k_to_end, -1, -2), u)
         return s, out
 
     state, out = jax.lax.scan(step, state.astype(f32),
