@@ -7,7 +7,7 @@ import weakref
 
 import jax
 
-from jaxspec.models import Policy
+from jaxspec.models import HybridPolicy, Policy
 
 # The last params unstacked for decoding: (weak references to their leaves, the per-layer
 # copies). One entry: a new params object replaces it, and it goes when its params die. The
@@ -17,7 +17,7 @@ _UNSTACKED_LOCK = threading.RLock()  # reentrant: a finalizer may run inside the
 
 
 @jax.jit
-def _unstack(policy: Policy) -> tuple:
+def _unstack(policy: Policy | HybridPolicy) -> tuple | dict:
     return policy.unstack_layers().layer_params
 
 
@@ -27,9 +27,10 @@ def _forget(entry) -> None:  # a cached entry's params were freed: free its copi
             _UNSTACKED.clear()
 
 
-def decoding_policy(policy: Policy) -> Policy:
+def decoding_policy(policy: Policy | HybridPolicy) -> Policy | HybridPolicy:
     """`policy` as `generate` decodes with it: with its per-layer weight copies attached
-    when decoding unrolls the layers (CPU, `Policy.decodes_unrolled`), made once per params
+    when decoding unrolls the layers (CPU, `Policy.decodes_unrolled`; a hybrid's always),
+    made once per params
     object and reused by every later call with the same arrays. Made inside each call's
     program instead, the copies would cost every call one pass over the weights into fresh
     memory. The cache holds one params object's copies (one more copy of the
@@ -39,9 +40,9 @@ def decoding_policy(policy: Policy) -> Policy:
     Time a policy's forwards through it to measure what the engine pays: a bare policy's
     forward on CPU scans the stacked layers, which copies each layer's weights at every
     forward."""
-    if not isinstance(policy, Policy):  # a HybridPolicy runs its layers unrolled from its stacks
-        return policy
-    if policy.layer_params is not None or not policy.decodes_unrolled(0, 0):
+    # (a HybridPolicy always runs its layers unrolled: HybridPolicy.unstack_layers)
+    unrolled = policy.decodes_unrolled(0, 0) if isinstance(policy, Policy) else True
+    if policy.layer_params is not None or not unrolled:
         return policy
     leaves = jax.tree.leaves(policy.params)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):  # under a trace: nothing to keep
