@@ -278,6 +278,18 @@ class _StateAfterWholeDraft(HybridPolicy):
 jax.tree_util.register_dataclass(_StateAfterWholeDraft)
 
 
+def test_states_after_the_whole_draft_break_replay_equality(policy, setup):
+    """The negative control of the token-for-token tests: with the states kept after the
+    whole draft, the oracle's rollouts leave the plain ones (a rejected draft's tokens stay
+    in the linear layers' states)."""
+    faulty = _StateAfterWholeDraft(config=policy.config, graphdef=policy.graphdef,
+                                   params=policy.params)
+    out = generate(faulty, PROMPTS, drafter=setup["drafters"]["oracle"],
+                   sampling=setup["sampling"], max_new_tokens=MAX_NEW, key=KEY,
+                   stop_tokens=(17,))
+    assert not np.array_equal(np.asarray(out.tokens), np.asarray(setup["plain"].tokens))
+
+
 def test_rejection_sampling_follows_the_policy_joint_law():
     """Chi-square: 4096 rollouts of one prompt, 3 tokens each, rejection-sampled against a
     dense draft model's sampled chains of 2, against the hybrid policy's joint law (float64,
