@@ -252,11 +252,16 @@ register(DraftKind.of(
         head, k=d.k, tree=tree, coupled=d.coupled),
     head=EAGLE3_HEAD))
 
-register(DraftKind.of(
-    "mtp",
-    make_drafter=lambda d, tree, *, head, **_: drafters_lib.MTPDrafter(
-        head, k=d.k, tree=tree, coupled=d.coupled),
-    head=MTP_HEAD))
+def _mtp_drafter(d, tree, *, head, **_):
+    """MTPDrafter, or for a Qwen3.5 / Qwen3-Next head (jaxspec.models.hybrid_mtp) its own,
+    which puts the captured last layer through the policy's final norm."""
+    from jaxspec.models.hybrid_mtp import HybridMTPDrafter, HybridMTPHead
+
+    make = HybridMTPDrafter if isinstance(head, HybridMTPHead) else drafters_lib.MTPDrafter
+    return make(head, k=d.k, tree=tree, coupled=d.coupled)
+
+
+register(DraftKind.of("mtp", make_drafter=_mtp_drafter, head=MTP_HEAD))
 
 register(DraftKind.of(
     "draft_model",

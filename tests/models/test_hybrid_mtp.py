@@ -347,6 +347,22 @@ def test_generate_with_the_drafter_is_the_plain_rollout(method):
         np.testing.assert_array_equal(spec.lengths, plain.lengths)
 
 
+def test_the_trainers_mtp_kind_drafts_with_it():
+    """draft.kind mtp (rl.kinds) builds HybridMTPDrafter for this head, MTPDrafter otherwise."""
+    import types
+
+    from jaxspec.decoding.heads import MTPDrafter
+    from jaxspec.models.mtp import MTPHead
+    from jaxspec.models.transformer import random_policy
+    from jaxspec.rl.kinds import KINDS
+
+    spec = types.SimpleNamespace(k=2, coupled=True)
+    hybrid = KINDS["mtp"].make_drafter(spec, None, head=_random_head(_policy("qwen3_5")))
+    assert type(hybrid) is HybridMTPDrafter and hybrid.k == 2
+    dense = MTPHead.init_for(random_policy(ModelConfig.tiny("qwen3")), jax.random.key(0))
+    assert type(KINDS["mtp"].make_drafter(spec, None, head=dense)) is MTPDrafter
+
+
 def test_head_refuses_a_mismatched_policy():
     head = _random_head(_policy("qwen3_5"))
     other = _policy("qwen3_5").config.replace(vocab_size=96)
