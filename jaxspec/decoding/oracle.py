@@ -30,7 +30,8 @@ import numpy as np
 from jaxspec.decoding.draws import choose_draft
 from jaxspec.decoding.drafters import ModelFreeDrafter
 from jaxspec.decoding.engine import generate
-from jaxspec.decoding.protocols import DraftContext, Observation, kv_cache_axes
+from jaxspec.decoding.policy_cache import cache_axes
+from jaxspec.decoding.protocols import DraftContext, Observation
 from jaxspec.decoding.tree import Tree
 
 __all__ = ["OracleDrafter", "VerifyWindowDrafter", "oracle_drafter", "verify_reference"]
@@ -159,7 +160,7 @@ class VerifyWindowDrafter:
         return policy.init_cache(batch, max_len)
 
     def state_axes(self, policy):
-        return kv_cache_axes()  # the policy's KV cache, copied
+        return cache_axes(policy)  # the policy's cache (a hybrid's with its states), copied
 
     def observe(self, cache, policy, obs: Observation):
         _, _, cache = policy.forward(obs.fed_tokens, obs.positions, cache)

@@ -32,7 +32,7 @@ from jaxspec.decoding import (
     generate,
 )
 from jaxspec.decoding.arguments import pad_prompts
-from jaxspec.decoding.oracle import oracle_drafter
+from jaxspec.decoding.oracle import oracle_drafter, verify_reference
 from jaxspec.models import ModelConfig, Policy
 from jaxspec.models.block import BlockHead
 from jaxspec.models.eagle3 import Eagle3Head
@@ -203,8 +203,9 @@ def test_adaptive_k_equals_plain(policy, setup):
 
 def test_cache_growth_carries_the_states(policy, monkeypatch):
     """150 new tokens from a 64-slot cache: the loop state moves to the full length mid-call
-    (the states have no capacity axis and move as they are), with speculation and refills;
-    the reference is plain decoding in one full-length cache."""
+    (the states have no capacity axis and move as they are), with speculation and refills,
+    for the oracle and for `verify_reference`'s drafter (its state: a copy of the policy's
+    HybridCache); the reference is plain decoding in one full-length cache."""
     grows = []
     original = driver.grow_state
     monkeypatch.setattr(driver, "grow_state",
@@ -219,6 +220,11 @@ def test_cache_growth_carries_the_states(policy, monkeypatch):
     out = generate(policy, prompts, drafter=drafter, grow_cache=True, slots=2, **common)
     assert grows, "the cache never grew"
     _assert_plain(out, plain, atol=1e-4)  # log-probs of ~-3 after 150 tokens: float32 rounding
+    # a drafter whose state is a copy of the policy's HybridCache, grown and refilled with it
+    grows.clear()
+    ref = verify_reference(policy, prompts, 3, grow_cache=True, slots=2, **common)
+    assert grows and float(ref.stats.acceptance_length) > 3.5
+    _assert_plain(ref, plain, atol=1e-4)
 
 
 def test_bfloat16_speculative_equals_plain():
