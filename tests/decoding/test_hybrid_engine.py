@@ -126,9 +126,10 @@ def test_plain_generate_equals_transformers(policy, setup, tmp_path):
 def test_commit_keeps_the_states_plain_decoding_holds(policy):
     """A verify of 4 tokens with deferred states, committed after a different count per row,
     holds the convolution and delta-rule states of one-token decode steps over those tokens:
-    bit for bit in the first layer (its inputs are the embeddings either way), to float32
-    rounding in the later ones (a 4-token forward rounds their inputs differently), and far
-    from the states after any other count; the verify's logits are the decode steps'."""
+    within 1e-6 in the first layer (its inputs are the embeddings either way; XLA may fuse
+    the rule's steps differently), 1e-5 in the later ones (a 4-token forward rounds their
+    inputs differently), and far from the states after any other count; the verify's logits
+    are the decode steps'."""
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 128, (3, 5))
     fed = rng.integers(0, 128, (3, 4))
@@ -148,7 +149,7 @@ def test_commit_keeps_the_states_plain_decoding_holds(policy):
             for name in ("conv", "state"):
                 got = np.asarray(getattr(committed, name)[:, row])
                 want = [np.asarray(getattr(d, name)[:, row]) for d in decoded]
-                np.testing.assert_array_equal(got[0], want[a][0])
+                np.testing.assert_allclose(got[0], want[a][0], atol=1e-6, rtol=1e-6)
                 np.testing.assert_allclose(got, want[a], atol=1e-5, rtol=1e-5)
                 others = [np.abs(got - w).max() for j, w in enumerate(want) if j != a]
                 assert min(others) > 1e-2, (name, row, a, others)
