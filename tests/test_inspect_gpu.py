@@ -396,3 +396,30 @@ def test_model_flops_count_the_experts_a_token_routes_to(mlp_only):
     assert active_params(Policy.abstract(cfg)) == expected
     dense = Policy.abstract(ModelConfig.tiny("qwen3"))
     assert active_params(dense) == dense.num_params
+
+
+def test_hybrid_floor_counts_the_recurrent_state_and_the_rollback_by_hand():
+    """A Qwen3.5-layout policy's floor: weights once, the full layers' KV, each linear layer's
+    delta-rule state (float32 [Hv, dk, dv]) and convolution state ([conv_dim, K-1]) read
+    once and written once per row; a verify also writes and reads its tokens' rule inputs.
+    Its decode and verify programs build and compile here (CPU), and a tree is refused."""
+    from jaxspec.gpu_targets.inspect import build_program, floor_bytes
+
+    cfg = ModelConfig.tiny("qwen3_5")  # 3 linear layers, 1 full
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    item = np.dtype(cfg.param_dtype).itemsize
+    conv_dim, linear, batch, fed = 2 * hk * dk + hv * dv, 3, 2, 4
+    state = linear * batch * (hv * dk * dv * 4 + conv_dim * (cfg.linear_conv_kernel_dim - 1) * item)
+    parts = floor_bytes(cfg, batch, fed, 64, rollback=True)
+    assert parts["recurrent state read"] == parts["recurrent state written"] == state
+    assert parts["KV read"] == batch * 64 * 2 * 1 * cfg.num_kv_heads * cfg.head_dim * item
+    per_token = 2 * hk * dk * 4 + hv * dv * item + 2 * hv * 4 + conv_dim * item
+    assert parts["rollback inputs (written, read)"] == 2 * linear * batch * fed * per_token
+    assert "rollback inputs (written, read)" not in floor_bytes(cfg, batch, 1, 64)
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+    for name in ("decode", "verify_k3"):
+        prog = build_program(name, cfg, batch=batch, context=64, mesh=mesh, platform="cpu")
+        jax.jit(prog.fn, donate_argnums=prog.donate).trace(*prog.args).lower().compile()
+    with pytest.raises(ValueError, match="tree_n16.*not built for a hybrid"):
+        build_program("tree_n16", cfg, batch=batch, context=64, mesh=mesh, platform="cpu")

@@ -54,6 +54,7 @@ from jaxspec.gpu_targets import estimate, hlo
 
 __all__ = [
     "DECODE_PROGRAMS",
+    "HYBRID_PROGRAMS",
     "PROGRAMS",
     "Program",
     "active_params",
@@ -67,6 +68,8 @@ __all__ = [
 
 DECODE_PROGRAMS = ("decode", "verify_k3", "tree_n16", "refill", "eagle3_draft", "block_draft")
 PROGRAMS = DECODE_PROGRAMS + ("grpo_score", "grpo_update")
+# a hybrid (linear-attention) policy: no tree (one recurrent state per node), no draft heads here
+HYBRID_PROGRAMS = ("decode", "verify_k3", "refill")
 COPY_LIMIT = 1 << 20  # copies above 1 MB inside a loop body are reported
 LOOP_STEPS = 4  # iterations of each program's loop (the cost is per iteration)
 VERIFY_K = 3
@@ -105,7 +108,8 @@ def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def floor_bytes(cfg, batch: int, fed: int, context: int, *, embed_rows: bool = True) -> dict:
+def floor_bytes(cfg, batch: int, fed: int, context: int, *, embed_rows: bool = True,
+                rollback: bool = False) -> dict:
     """The bytes a forward of `fed` tokens per row over `context` cached slots must move:
     every weight once (the token embedding only in the rows it gathers, unless tied: then
     it is the LM head too), the live KV once, the new KV entries once. -> {part: bytes}.
@@ -116,6 +120,8 @@ def floor_bytes(cfg, batch: int, fed: int, context: int, *, embed_rows: bool = T
     layers, attention, router, shared experts, LM head) every step."""
     from jaxspec.models import Policy
 
+    if cfg.is_hybrid:
+        return _hybrid_floor(cfg, batch, fed, context, embed_rows=embed_rows, rollback=rollback)
     params = Policy.abstract(cfg).params
     item = jnp.dtype(cfg.param_dtype).itemsize
     total = _param_bytes(params)
@@ -200,6 +206,41 @@ def thunk_kernels(text: str) -> dict:
     return {"kernels": kernels, "in_command_buffer": buffered, "nested_loops": nested}
 
 
+def _hybrid_floor(cfg, batch: int, fed: int, context: int, *, embed_rows: bool,
+                  rollback: bool) -> dict:
+    """`floor_bytes` of a hybrid policy (jaxspec.models.hybrid): every weight once, the full-
+    attention layers' live KV once and their new entries, and per linear layer and row its
+    recurrent state (the delta rule's float32 [Hv, dk, dv] and the convolution's last K-1
+    inputs) read once and written once. A verify (`rollback`) keeps what the rollback needs
+    to set the state after the accepted prefix: its tokens' rule inputs (DeltaSteps: q, k
+    float32 per key head, v, the gate and rate float32 per value head) and the convolution
+    window, written once and read once."""
+    from jaxspec.models.hybrid import HybridCache, HybridPolicy, layer_plan
+
+    params = HybridPolicy.abstract(cfg).params
+    item = jnp.dtype(cfg.param_dtype).itemsize
+    total = _param_bytes(params)
+    embed = cfg.vocab_size * cfg.hidden_size * item
+    weights = total if cfg.tie_embeddings else total - embed
+    full = sum(1 for mixer, *_ in layer_plan(cfg) if mixer == "full_layers")
+    linear = cfg.num_layers - full
+    kv_row = 2 * full * cfg.num_kv_heads * cfg.head_dim * item
+    state = jax.eval_shape(lambda: HybridCache.zeros(cfg, batch, 0))
+    state_bytes = _param_bytes((state.conv, state.state))
+    parts = {"weights": weights,
+             "embedding rows": batch * fed * cfg.hidden_size * item if embed_rows else 0,
+             "KV read": batch * context * kv_row,
+             "KV written": batch * fed * kv_row,
+             "recurrent state read": state_bytes,
+             "recurrent state written": state_bytes}
+    if rollback:
+        hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        per_token = 2 * hk * dk * 4 + hv * dv * item + 2 * hv * 4 + (2 * hk * dk + hv * dv) * item
+        parts["rollback inputs (written, read)"] = 2 * linear * batch * fed * per_token
+    return parts
+
+
 def _replicated(mesh):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -216,6 +257,12 @@ def _policy_for_decode(cfg, sharding):
     weights and no stacked ones when `Policy.decodes_unrolled`), placed on `sharding`."""
     from jaxspec.models import Policy
 
+    if cfg.is_hybrid:
+        from jaxspec.models.hybrid import HybridPolicy
+
+        policy = HybridPolicy.abstract(cfg)  # per-layer weights, as generate decodes
+        return _abstract(jax.eval_shape(lambda p: p.unstack_layers().without_stacked_layers(),
+                                        policy), sharding)
     policy = Policy.abstract(cfg)
     if policy.decodes_unrolled(0, 0):  # as jaxspec.decoding.decoding_policy attaches them
         policy = jax.eval_shape(lambda p: p.unstack_layers().without_stacked_layers(), policy)
@@ -240,14 +287,23 @@ def _build_program(name, cfg, *, batch, context, mesh, prompt_len, draft_vocab, 
 
     rep = _replicated(mesh)
     steps = LOOP_STEPS
+    if cfg.is_hybrid and name not in HYBRID_PROGRAMS:
+        raise ValueError(f"program {name!r} is not built for a hybrid policy (family "
+                         f"{cfg.family!r}); valid: {', '.join(HYBRID_PROGRAMS)}")
     if name in ("decode", "verify_k3", "tree_n16", "refill"):
         policy = _policy_for_decode(cfg, rep)
-        cache = _abstract(jax.eval_shape(lambda: KVCache.zeros(cfg, batch, context)), rep)
+        if cfg.is_hybrid:
+            from jaxspec.models.hybrid import HybridCache
+
+            zeros = HybridCache.zeros
+        else:
+            zeros = KVCache.zeros
+        cache = _abstract(jax.eval_shape(lambda: zeros(cfg, batch, context)), rep)
         fed = {"decode": 1, "verify_k3": VERIFY_K + 1, "tree_n16": TREE_NODES,
                "refill": prompt_len}[name]
         tokens = jax.ShapeDtypeStruct((batch, fed), jnp.int32, sharding=rep)
         live = context if name != "refill" else 0
-        parts = floor_bytes(cfg, batch, fed, live)
+        parts = floor_bytes(cfg, batch, fed, live, rollback=name == "verify_k3")
         unknown = -(-context // 128)  # the reference attention's block loop (BLOCK_K = 128)
         if name == "decode":
             def fn(policy, cache, tokens):
@@ -255,6 +311,24 @@ def _build_program(name, cfg, *, batch, context, mesh, prompt_len, draft_vocab, 
                     cache, tok = carry
                     logits, _, cache = policy.forward(tok, cache.lengths[:, None], cache)
                     return cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None]
+                return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+            return Program(name, fn, (policy, cache, tokens), True, sum(parts.values()), parts,
+                           donate=(1,), unknown_trip=unknown)
+        if name == "verify_k3" and cfg.is_hybrid:
+            def fn(policy, cache, tokens):
+                def body(i, carry):
+                    cache, tok = carry
+                    pos = cache.lengths[:, None] + jnp.arange(tok.shape[1])[None]
+                    logits, _, cache, deferred = policy.forward(tok, pos, cache,
+                                                                defer_state=True)
+                    target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, k+1]
+                    hit = jnp.cumprod(target[:, :-1] == tok[:, 1:], axis=1)
+                    accepted = jnp.sum(hit, axis=1, dtype=jnp.int32)  # [B]
+                    # the linear layers' states after the fed token and the accepted drafts
+                    cache = deferred.commit(cache, accepted + 1)
+                    kv = dataclasses.replace(
+                        cache.kv, lengths=cache.kv.lengths - (tok.shape[1] - 1 - accepted))
+                    return dataclasses.replace(cache, kv=kv), jnp.roll(target, 1, axis=1)
                 return jax.lax.fori_loop(0, steps, body, (cache, tokens))
             return Program(name, fn, (policy, cache, tokens), True, sum(parts.values()), parts,
                            donate=(1,), unknown_trip=unknown)

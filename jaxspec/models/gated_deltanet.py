@@ -76,6 +76,9 @@ def _expand_heads(q, k, num_v_heads):  # [B, T, Hk, dk] -> [B, T, Hv, dk]: a key
     return jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
 
 
+UNROLL_TOKENS = 16  # the recurrent rule over at most this many tokens runs without a loop
+
+
 def delta_rule_recurrent(
     q,  # [B, T, Hk, dk] L2-normed and scaled
     k,  # [B, T, Hk, dk] L2-normed
@@ -89,16 +92,30 @@ def delta_rule_recurrent(
     f32 = jnp.float32
 
     def step(s, xs):
+        # S' = d S + k (x) c with c = beta (v - d S^T k), and the output S'^T q = d S^T q +
+        # (k . q) c: both products from one read of S, which is then read and written once
+        # (the state is the decode step's largest operand: three passes over it, not five)
         q_t, k_t, v_t, g_t, b_t = xs  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv], [B, Hv], [B, Hv]
-        s = s * jnp.exp(g_t)[..., None, None]
-        predicted = _einsum("bhkv,bhk->bhv", s, k_t)
-        correction = b_t[..., None] * (v_t - predicted)
-        s = s + k_t[..., :, None] * correction[..., None, :]
-        return s, _einsum("bhkv,bhk->bhv", s, q_t)
+        decay = jnp.exp(g_t)[..., None]  # [B, Hv, 1]
+        kq = jnp.stack([k_t, q_t], axis=2)  # [B, Hv, 2, dk]
+        # a reduction, not a matmul: XLA fuses the read of a layer's state from the stacked
+        # cache into it (a matmul's operand is a copy of the slice first)
+        both = jnp.sum(s[:, :, None] * kq[..., None], axis=3)  # [B, Hv, 2, dv]
+        correction = b_t[..., None] * (v_t - decay * both[:, :, 0])
+        out = decay * both[:, :, 1] + jnp.sum(k_t * q_t, axis=-1)[..., None] * correction
+        return s * decay[..., None] + k_t[..., :, None] * correction[..., None, :], out
 
     xs = tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (q, k, v, g, beta))
-    state, out = jax.lax.scan(step, state.astype(f32), xs)
-    return jnp.moveaxis(out, 0, 1), state
+    state = state.astype(f32)
+    if q.shape[1] > UNROLL_TOKENS:
+        state, out = jax.lax.scan(step, state, xs)
+        return jnp.moveaxis(out, 0, 1), state
+    # a decode's or a verify's few tokens without a loop: a loop takes a copy of the state
+    outs = []
+    for t in range(q.shape[1]):
+        state, o = step(state, tuple(a[t] for a in xs))
+        outs.append(o)
+    return jnp.stack(outs, axis=1), state
 
 
 def delta_rule_chunked(

@@ -130,8 +130,12 @@ class GatedDeltaNet(nnx.Module):
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         if cfg.family != "qwen3_next":
-            return (h @ self.in_proj_qkv[...], (h @ self.in_proj_z[...]).reshape(b, t, hv, dv),
-                    h @ self.in_proj_b[...], h @ self.in_proj_a[...])
+            # four views of h, so that XLA's dot merger does not fuse the four matmuls into
+            # one over a concatenation of their weights, a copy of the layer's input
+            # projections at every decode step on a GPU (169 MB per layer at Qwen3.5-27B)
+            hq, hz, hb, ha = jax.lax.optimization_barrier((h, h, h, h))
+            return (hq @ self.in_proj_qkv[...], (hz @ self.in_proj_z[...]).reshape(b, t, hv, dv),
+                    hb @ self.in_proj_b[...], ha @ self.in_proj_a[...])
         r = hv // hk
         qkvz = jnp.einsum("bth,hgc->btgc", h, self.in_proj_qkvz[...])  # [B, T, Hk, ...]
         ba = jnp.einsum("bth,hgc->btgc", h, self.in_proj_ba[...])
@@ -149,6 +153,7 @@ class GatedDeltaNet(nnx.Module):
         conv_state,  # [B, conv_dim, K-1]
         state,  # [B, Hv, dk, dv] float32
         defer: bool = False,
+        recurrent: bool = False,
     ):  # -> (x [B, T, H], conv_state, state, steps: DeltaSteps of this layer or None)
         """defer=True (a verify): the recurrent rule, the states returned as they came in,
         and the per-token inputs of the rule for `DeltaSteps.commit` to apply once the
@@ -171,7 +176,7 @@ class GatedDeltaNet(nnx.Module):
         rate = jax.nn.softplus(rate_in.astype(jnp.float32)
                                + self.dt_bias[...].astype(jnp.float32))
         g = jnp.where(real, -jnp.exp(self.A_log[...].astype(jnp.float32)) * rate, 0.0)
-        rule = delta_rule_recurrent if t == 1 or defer else delta_rule_chunked
+        rule = delta_rule_recurrent if t == 1 or defer or recurrent else delta_rule_chunked
         out, new_state = rule(q, k, v, g, beta, state)
         if defer:
             window = jnp.concatenate([conv_state, jnp.swapaxes(inputs, 1, 2).astype(
@@ -319,6 +324,7 @@ class HybridTransformer(nnx.Module):
         head: bool = True,
         defer: bool = False,
         layer_params: dict | None = None,  # {stack: per-layer params} (unstack_layers)
+        recurrent: bool = False,  # the recurrent rule for several tokens too (delta_rule)
     ):  # -> (logits [B, T, V] f32 or hidden [B, T, H], {layer: [B, T, H]}, HybridCache,
         #     DeltaSteps or None); defer: see GatedDeltaNet
         cfg = self.config
@@ -344,10 +350,15 @@ class HybridTransformer(nnx.Module):
         keys, values, steps, captured = [], [], [], {}
         for i, (mixer, m, ffn, f) in enumerate(layer_plan(cfg)):
             if mixer == "linear_layers":
-                x, conv, state, step = layer(mixer, m)(x, order, counts, conv_all[m],
-                                                       state_all[m], defer)
+                # read and written at a traced index: XLA then updates the stacked state in
+                # place from its own slice (at a constant one it copies the slice first)
+                at = jax.lax.optimization_barrier(jnp.asarray(m, jnp.int32))
+                x, conv, state, step = layer(mixer, m)(
+                    x, order, counts, jax.lax.dynamic_index_in_dim(conv_all, at, keepdims=False),
+                    jax.lax.dynamic_index_in_dim(state_all, at, keepdims=False), defer, recurrent)
                 if not defer:
-                    conv_all, state_all = conv_all.at[m].set(conv), state_all.at[m].set(state)
+                    conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, conv, at, 0)
+                    state_all = jax.lax.dynamic_update_index_in_dim(state_all, state, at, 0)
                 steps.append(step)
             elif k_stack.shape[2]:  # slots to attend to
                 index = jnp.asarray(m, jnp.int32)
@@ -466,8 +477,10 @@ class DeltaSteps:
             return delta_rule_recurrent(q, k, v, jnp.where(keep, g, 0.0),
                                         jnp.where(keep, beta, 0.0), state)[1]
 
-        state = jnp.stack([one(cache.state[i], self.q[i], self.k[i], self.v[i], self.g[i],
-                               self.beta[i]) for i in range(self.g.shape[0])])
+        state = cache.state
+        for i in range(self.g.shape[0]):  # in place, layer by layer (a stack is a copy)
+            state = state.at[i].set(one(state[i], self.q[i], self.k[i], self.v[i], self.g[i],
+                                        self.beta[i]))
         width = cache.conv.shape[-1]
         at = accepted[:, None] + jnp.arange(width)[None, :]  # [B, K-1]
         at = jnp.broadcast_to(at[None, :, None, :], self.window.shape[:-1] + (width,))
@@ -479,7 +492,8 @@ class DeltaSteps:
 def _forward(policy, tokens, positions, cache, mask, capture, head, stateless, defer=False):
     model = nnx.merge(policy.graphdef, policy.params)
     logits, captured, cache, steps = model(tokens, positions, cache, mask, capture, head, defer,
-                                           policy.layer_params)
+                                           policy.layer_params,
+                                           policy.delta_rule == "recurrent")
     out = (logits, captured, None if stateless else cache)
     return out + (steps,) if defer else out
 
@@ -496,6 +510,15 @@ class HybridPolicy:
     # {stack: (layer 0's params, ...)}: per-layer copies of the stacked weights, which the
     # forward reads in place instead of slicing the stacks (`unstack_layers`)
     layer_params: dict | None = None
+    # the delta rule of a forward of several tokens: "chunked" (HF's form; the default), or
+    # "recurrent" (a scan over the tokens; the trainer's choice on CPU, where it ran the
+    # GRPO gradient 5x faster at the configs/hybrid.yaml shape). One token: recurrent always.
+    delta_rule: str = dataclasses.field(default="chunked", metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.delta_rule not in ("chunked", "recurrent"):
+            raise ValueError(f"HybridPolicy.delta_rule={self.delta_rule!r}; valid: 'chunked', "
+                             "'recurrent'")
 
     def unstack_layers(self) -> HybridPolicy:
         """This policy with per-layer copies of its stacked weights, which `forward` reads
@@ -548,7 +571,7 @@ class HybridPolicy:
         """The params cast to "float32" or "bfloat16" (config.dtype follows)."""
         new = HybridPolicy.abstract(self.config.replace(dtype=dtype))
         return new.replace(params=jax.tree.map(lambda x: x.astype(new.config.param_dtype),
-                                               self.params))
+                                               self.params), delta_rule=self.delta_rule)
 
     @property
     def num_params(self) -> int:

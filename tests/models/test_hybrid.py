@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models import ModelConfig, load_hf, save_hf
+from jaxspec.models import gated_deltanet
 from jaxspec.models.gated_deltanet import delta_rule_chunked, delta_rule_recurrent
 from jaxspec.models.hybrid import HybridCache, HybridPolicy, random_hybrid_policy
 
@@ -301,15 +302,22 @@ def test_chunked_rule_has_transformers_arithmetic(decay):
 def test_rule_products_are_full_float32_under_any_precision_context():
     """Both forms' matrix products carry precision HIGHEST even where the caller's context
     asks for bfloat16 passes (JAX's default on a GPU is TF32): a bfloat16 policy's forward
-    and `DeltaSteps.commit` (jitted outside the forward's context) run the rule in float32."""
+    and `DeltaSteps.commit` (jitted outside the forward's context) run the rule in float32.
+    The recurrent form's products with the state are float32 multiply-and-sum reductions
+    (no matmul, so no precision to lose); over more than UNROLL_TOKENS tokens, a scan."""
     import re
 
-    q, k, v, g, beta, s0 = _rule_inputs(3, 9)
-    for rule in (delta_rule_chunked, delta_rule_recurrent):
-        with jax.default_matmul_precision("bfloat16"):
-            text = jax.jit(rule).lower(q, k, v, g, beta, s0).as_text()
-        dots = re.findall(r"stablehlo\.dot_general.*", text)
-        assert dots and all("HIGHEST" in d for d in dots), (rule.__name__, dots)
+    for t in (9, gated_deltanet.UNROLL_TOKENS + 3):
+        q, k, v, g, beta, s0 = _rule_inputs(3, t)
+        for rule in (delta_rule_chunked, delta_rule_recurrent):
+            with jax.default_matmul_precision("bfloat16"):
+                text = jax.jit(rule).lower(q, k, v, g, beta, s0).as_text()
+            dots = re.findall(r"stablehlo\.dot_general.*", text)
+            assert all("HIGHEST" in d for d in dots), (rule.__name__, dots)
+            if rule is delta_rule_chunked:
+                assert dots
+            else:  # the state's products: float32 reductions
+                assert re.search(r"stablehlo\.reduce.*f32", text) and "bf16" not in text
 
 
 def test_padding_never_enters_a_state():
