@@ -478,9 +478,12 @@ class DeltaSteps:
                                         jnp.where(keep, beta, 0.0), state)[1]
 
         state = cache.state
-        for i in range(self.g.shape[0]):  # in place, layer by layer (a stack is a copy)
-            state = state.at[i].set(one(state[i], self.q[i], self.k[i], self.v[i], self.g[i],
-                                        self.beta[i]))
+        for i in range(self.g.shape[0]):  # in place, layer by layer (a stack is a copy), at
+            # a traced index (a constant one's slice is copied first; see HybridTransformer)
+            at = jax.lax.optimization_barrier(jnp.asarray(i, jnp.int32))
+            new = one(jax.lax.dynamic_index_in_dim(state, at, keepdims=False), self.q[i],
+                      self.k[i], self.v[i], self.g[i], self.beta[i])
+            state = jax.lax.dynamic_update_index_in_dim(state, new, at, 0)
         width = cache.conv.shape[-1]
         at = accepted[:, None] + jnp.arange(width)[None, :]  # [B, K-1]
         at = jnp.broadcast_to(at[None, :, None, :], self.window.shape[:-1] + (width,))
