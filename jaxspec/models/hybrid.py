@@ -44,7 +44,8 @@ from jaxspec.models.gated_deltanet import (
     delta_rule_recurrent,
     l2_normalize,
 )
-from jaxspec.models.layers import INIT_STD, MLP, logical_param
+from jaxspec.kernels.flash import causal_attention
+from jaxspec.models.layers import INIT_STD, MLP, _per_row_shards, logical_param
 from jaxspec.models.moe import MoE
 from jaxspec.models.transformer import param_path
 
@@ -254,8 +255,14 @@ class GatedAttention(nnx.Module):
         q = apply_partial_rope(self.q_norm(q), positions, cfg)
         k = apply_partial_rope(self.k_norm(k), positions, cfg)
         threaded = isinstance(k_cache, CacheLayer)
-        heads = tree_attention(q, k_cache, v_cache, cache_lengths, k, v, mask,
-                               backend=cfg.attention_backend, thread=threaded)
+        if not threaded and k_cache.shape[1] == 0 and cfg.train_attention != "reference":
+            # no cache (training, scoring): causal over the real tokens without [B, heads,
+            # T, T] scores (kernels.flash, model.train_attention), as the dense policy does
+            heads = _per_row_shards(functools.partial(
+                causal_attention, implementation=cfg.train_attention), q, k, v, positions >= 0)
+        else:
+            heads = tree_attention(q, k_cache, v_cache, cache_lengths, k, v, mask,
+                                   backend=cfg.attention_backend, thread=threaded)
         if threaded:  # the stacks passed on (kernels.blocked): XLA keeps one buffer
             heads, k_cache, v_cache = heads
         heads = heads * jax.nn.sigmoid(gate)

@@ -56,6 +56,17 @@ def policy_class(config: ModelConfig) -> type[Policy] | type[HybridPolicy]:
     return HybridPolicy if config.is_hybrid else Policy
 
 
+def _trainer_rule(policy):
+    """A hybrid policy runs the recurrent delta rule in its multi-token forwards on CPU: the
+    warm-up gradient of the configs/hybrid.yaml policy took ~5 s a step recurrent against
+    ~25 s chunked (32 rows x 152 tokens, 2 shared cores; docs/results/hybrid.json)."""
+    from jaxspec.kernels import platform
+
+    if isinstance(policy, HybridPolicy) and platform() == "cpu":
+        return policy.replace(delta_rule="recurrent")
+    return policy
+
+
 def _load(path: str, cfg, cluster, config: ModelConfig | None = None) -> Policy:
     """A HF directory straight into its training shardings (those of `config`, the
     directory's checked config; None: read from its config.json, a dense or MoE model)."""
@@ -76,9 +87,10 @@ def build_policy(cfg, plan, cluster, *, resuming: bool,
     if cfg.model.hf_path is not None:
         policy = _load(cfg.model.hf_path, cfg, cluster, plan.model_config)
     elif resuming:
-        return cls.abstract(plan.model_config)
+        return _trainer_rule(cls.abstract(plan.model_config))
     else:
         policy = cls.init(plan.model_config, jax.random.fold_in(jax.random.key(cfg.run.seed), 0))
+    policy = _trainer_rule(policy)
     if not resuming and cfg.warmup.steps > 0:
         policy = warm_up(policy, plan, cfg.warmup, cfg.run.seed, "policy", log=log,
                          history=history)

@@ -180,3 +180,49 @@ def test_what_the_trainer_cannot_do_with_a_hybrid_is_one_error_before_compiling(
 
     with pytest.raises(ConfigError, match=message):
         prepare_run(make_config(tmp_path, *HYBRID, *extra))
+
+
+def test_trainer_trains_checkpoints_and_resumes_a_hybrid_policy_bitwise(tmp_path):
+    """4 GRPO steps straight equal 2 steps, a stop right after step 2's checkpoint and a
+    resumed run of 2 more (params, optimizer state, metrics); every 2nd step's speculative
+    (n-gram chain) rollouts are checked equal to plain ones by the trainer itself."""
+    from jaxspec.rl.trainer import GRPOTrainer
+    from jaxspec.testing.rl import Killed, assert_same_tree, make_config, rows
+
+    extra = [*HYBRID, "draft.kind=ngram", "draft.k=3", "warmup.steps=0", "run.steps=4"]
+    straight = GRPOTrainer(make_config(tmp_path / "straight", *extra))
+    assert isinstance(straight.policy, HybridPolicy)
+    straight.run()
+    first = GRPOTrainer(make_config(tmp_path / "killed", *extra))
+
+    def kill(step, row):
+        if step == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        first.run(on_step=kill)
+    resumed = GRPOTrainer(make_config(tmp_path / "killed", *extra, "run.resume=true"))
+    assert resumed.completed == 2 and isinstance(resumed.policy, HybridPolicy)
+    resumed.run()
+    assert resumed.completed == straight.completed == 4
+    assert_same_tree(resumed.policy.params, straight.policy.params)
+    assert_same_tree(resumed.opt_state, straight.opt_state)
+    got = rows(tmp_path / "killed")
+    assert got == rows(tmp_path / "straight")
+    assert [r["step"] for r in got if "replay_identical" in r] == [1, 3]
+    assert all(r["replay_identical"] for r in got if "replay_identical" in r)
+    assert max(r["grpo/logprob_mismatch_max"] for r in got) < 1e-4  # generator vs trainer
+
+
+def test_the_recurrent_rule_policy_scores_as_the_chunked_one(pair):
+    """The trainer's CPU choice (delta_rule="recurrent") scores within rounding of the
+    chunked form (transformers' own), which test_scored_logprobs_equal_transformers holds
+    to transformers."""
+    _, policy = pair
+    batch = _batch(2)
+    a = score_rollouts(policy, None, *batch, SamplingConfig(1.0), chunk=16)["logprobs"]
+    b = score_rollouts(policy.replace(delta_rule="recurrent"), None, *batch,
+                       SamplingConfig(1.0), chunk=16)["logprobs"]
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+    with pytest.raises(ValueError, match="delta_rule='scan'.*chunked"):
+        policy.replace(delta_rule="scan")
