@@ -226,3 +226,44 @@ def test_the_recurrent_rule_policy_scores_as_the_chunked_one(pair):
     assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
     with pytest.raises(ValueError, match="delta_rule='scan'.*chunked"):
         policy.replace(delta_rule="scan")
+
+
+# Qwen3.5-9B's config.json as released (multimodal: the language model's keys in text_config;
+# transformers' Qwen3_5TextConfig defaults are this model's), the vision tower left out
+QWEN3_5_9B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "silu",
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                        for i in range(32)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 1,
+        "attn_output_gate": True, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000,
+                            "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                            "mrope_section": [11, 11, 10]}},
+}
+
+
+def test_the_shipped_hybrid_configs(tmp_path):
+    """configs/qwen3_5_9b_mtp.yaml's model section is Qwen3.5-9B's config.json (8.95B
+    parameters in the language model); configs/hybrid.yaml passes every check made before
+    compiling on one CPU device."""
+    from jaxspec.config import load_config
+    from jaxspec.models.hf import config_from_hf
+    from jaxspec.rl.plan import prepare_run
+    from jaxspec.testing import ROOT
+
+    cfg = load_config(ROOT / "configs" / "qwen3_5_9b_mtp.yaml", check_paths=False)
+    ours = cfg.model.model_config(248320)
+    assert ours == config_from_hf(QWEN3_5_9B, dtype="bfloat16",
+                                  attention_backend=ours.attention_backend)
+    assert round(HybridPolicy.abstract(ours).num_params / 1e9, 2) == 8.95
+    assert cfg.draft.kind == "mtp" and cfg.draft.tree is None
+    tiny = load_config(ROOT / "configs" / "hybrid.yaml", [f"run.dir={tmp_path}"])
+    plan = prepare_run(tiny, devices=jax.devices()[:1])
+    assert plan.model_config.is_hybrid and tiny.run.compare_plain > 0
