@@ -153,11 +153,14 @@ def _array(shape: str) -> tuple[str, str] | None:
 def stacked_attention_reads(inst, operands) -> int | None:
     """Bytes a jaxspec Pallas `tree_attention` call moves: one layer of each stacked KV
     operand read, the other operands read whole, and its own outputs written except the
-    stacks it passes through (aliased to its inputs, never written). The stacks are the
+    stacks it passes through (aliased to its inputs, never written). The same for the
+    recurrent delta-rule kernel (kernels.delta_rule) over its stacked states, whose stack,
+    when it is an output (aliased), has one layer written. The stacks are the
     largest rank-5 operands ([layers, batch, slots, kv_heads, head_dim]; q and the tree's
     keys and values may be rank 5 too, far smaller); an operand passed twice is read once.
     None for other instructions."""
-    if inst.opcode != "custom-call" or "tree_attention" not in inst.op_name:
+    if inst.opcode != "custom-call" or not any(name in inst.op_name for name in
+                                                 ("tree_attention", "delta_rule_recurrent")):
         return None
     # One buffer passed as two operands is read once (the tree's keys and values are one
     # array, each operand's blocks reading its half).
@@ -167,6 +170,9 @@ def stacked_attention_reads(inst, operands) -> int | None:
     layers = int(stack[1].split(",")[0]) if stack else 1
     read = sum(op.bytes // layers if _array(op.shape) == stack else op.bytes for op in operands)
     outputs = [f"{t}[{d}]" for t, d in hlo._ARRAY.findall(inst.shape)]
+    if "delta_rule_recurrent" in inst.op_name:  # its stack, when an output, written one layer
+        return read + sum(hlo.shape_bytes(o) // (layers if _array(o) == stack else 1)
+                          for o in outputs)
     written = sum(hlo.shape_bytes(o) for o in outputs if _array(o) != stack)
     return read + written
 

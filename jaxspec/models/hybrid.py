@@ -44,6 +44,7 @@ from jaxspec.models.gated_deltanet import (
     delta_rule_recurrent,
     l2_normalize,
 )
+from jaxspec.kernels.delta_rule import recurrent_stacked, stacked_rule
 from jaxspec.kernels.flash import causal_attention
 from jaxspec.models.layers import INIT_STD, MLP, _per_row_shards, logical_param
 from jaxspec.models.moe import MoE
@@ -152,7 +153,8 @@ class GatedDeltaNet(nnx.Module):
         order,  # [B, T] int32: the row's real tokens first, in order, then its padding
         counts,  # [B] int32: real tokens per row
         conv_state,  # [B, conv_dim, K-1]
-        state,  # [B, Hv, dk, dv] float32
+        state,  # [B, Hv, dk, dv] float32, or a CacheLayer of the stacked states (then the
+        # stack comes back: kernels.delta_rule, where stacked_rule says)
         defer: bool = False,
         recurrent: bool = False,
     ):  # -> (x [B, T, H], conv_state, state, steps: DeltaSteps of this layer or None)
@@ -177,8 +179,14 @@ class GatedDeltaNet(nnx.Module):
         rate = jax.nn.softplus(rate_in.astype(jnp.float32)
                                + self.dt_bias[...].astype(jnp.float32))
         g = jnp.where(real, -jnp.exp(self.A_log[...].astype(jnp.float32)) * rate, 0.0)
-        rule = delta_rule_recurrent if t == 1 or defer or recurrent else delta_rule_chunked
-        out, new_state = rule(q, k, v, g, beta, state)
+        if isinstance(state, CacheLayer):  # the stacked states, in place (one GPU)
+            f32 = jnp.float32
+            out, new_state = recurrent_stacked(q.astype(f32), k.astype(f32), v.astype(f32), g,
+                                               beta, state.stack, state.index, write=not defer)
+            state = state.stack
+        else:
+            rule = delta_rule_recurrent if t == 1 or defer or recurrent else delta_rule_chunked
+            out, new_state = rule(q, k, v, g, beta, state)
         if defer:
             window = jnp.concatenate([conv_state, jnp.swapaxes(inputs, 1, 2).astype(
                 conv_state.dtype)], axis=-1)
@@ -360,12 +368,18 @@ class HybridTransformer(nnx.Module):
                 # read and written at a traced index: XLA then updates the stacked state in
                 # place from its own slice (at a constant one it copies the slice first)
                 at = jax.lax.optimization_barrier(jnp.asarray(m, jnp.int32))
+                kernel = k_stack.shape[2] > 0 and stacked_rule(  # decoding (a cache), no grads
+                    tokens.shape[1], state_all, defer or recurrent)
                 x, conv, state, step = layer(mixer, m)(
                     x, order, counts, jax.lax.dynamic_index_in_dim(conv_all, at, keepdims=False),
+                    CacheLayer(state_all, at) if kernel else
                     jax.lax.dynamic_index_in_dim(state_all, at, keepdims=False), defer, recurrent)
+                if kernel:  # the kernel wrote the stack in place (or left it, deferred)
+                    state_all = state
                 if not defer:
                     conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, conv, at, 0)
-                    state_all = jax.lax.dynamic_update_index_in_dim(state_all, state, at, 0)
+                    if not kernel:
+                        state_all = jax.lax.dynamic_update_index_in_dim(state_all, state, at, 0)
                 steps.append(step)
             elif k_stack.shape[2]:  # slots to attend to
                 index = jnp.asarray(m, jnp.int32)
@@ -485,9 +499,16 @@ class DeltaSteps:
                                         jnp.where(keep, beta, 0.0), state)[1]
 
         state = cache.state
+        kernel = stacked_rule(t, state, True)
         for i in range(self.g.shape[0]):  # in place, layer by layer (a stack is a copy), at
             # a traced index (a constant one's slice is copied first; see HybridTransformer)
             at = jax.lax.optimization_barrier(jnp.asarray(i, jnp.int32))
+            if kernel:  # the kernel reads and writes the layer's state in the stack
+                state = recurrent_stacked(self.q[i], self.k[i], self.v[i].astype(jnp.float32),
+                                          jnp.where(keep, self.g[i], 0.0),
+                                          jnp.where(keep, self.beta[i], 0.0), state, at,
+                                          write=True)[1]
+                continue
             new = one(jax.lax.dynamic_index_in_dim(state, at, keepdims=False), self.q[i],
                       self.k[i], self.v[i], self.g[i], self.beta[i])
             state = jax.lax.dynamic_update_index_in_dim(state, new, at, 0)
