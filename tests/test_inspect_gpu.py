@@ -423,3 +423,16 @@ def test_hybrid_floor_counts_the_recurrent_state_and_the_rollback_by_hand():
         jax.jit(prog.fn, donate_argnums=prog.donate).trace(*prog.args).lower().compile()
     with pytest.raises(ValueError, match="tree_n16.*not built for a hybrid"):
         build_program("tree_n16", cfg, batch=batch, context=64, mesh=mesh, platform="cpu")
+
+
+def test_qwen3_5_27b_shape_config_is_the_published_shape():
+    """configs/qwen3_5_27b_shape.yaml (the hybrid GPU figures' shape) loads as a qwen3_5
+    policy of 26.9B parameters, three linear layers to each full one."""
+    from jaxspec.config import load_config
+    from jaxspec.models.hybrid import HybridPolicy
+
+    cfg = load_config("configs/qwen3_5_27b_shape.yaml").model
+    model = cfg.model_config(cfg.vocab_size)
+    assert model.family == "qwen3_5" and model.num_layers == 64
+    assert model.layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 16
+    assert round(HybridPolicy.abstract(model).num_params / 1e9, 1) == 26.9
