@@ -254,14 +254,7 @@ class GatedAttention(nnx.Module):
         mask,  # [B, T, T] bool among the new tokens
     ):  # -> (x [B, T, H], k [B, T, kv_heads, head_dim], v), + the stacks for CacheLayers
         cfg = self.config
-        d = cfg.head_dim
-        h = self.input_layernorm(x)
-        qg = jnp.einsum("btf,fnd->btnd", h, self.q_proj[...])
-        q, gate = qg[..., :d], qg[..., d:]
-        k = jnp.einsum("btf,fnd->btnd", h, self.k_proj[...])
-        v = jnp.einsum("btf,fnd->btnd", h, self.v_proj[...])
-        q = apply_partial_rope(self.q_norm(q), positions, cfg)
-        k = apply_partial_rope(self.k_norm(k), positions, cfg)
+        q, gate, k, v = self.project_gated(self.input_layernorm(x), positions)
         threaded = isinstance(k_cache, CacheLayer)
         if not threaded and k_cache.shape[1] == 0 and cfg.train_attention != "reference":
             # no cache (training, scoring): causal over the real tokens without [B, heads,
@@ -273,10 +266,34 @@ class GatedAttention(nnx.Module):
                                    backend=cfg.attention_backend, thread=threaded)
         if threaded:  # the stacks passed on (kernels.blocked): XLA keeps one buffer
             heads, k_cache, v_cache = heads
+        x = self.gated_output(x, heads, gate)
+        return (x, k, v, k_cache.stack, v_cache.stack) if threaded else (x, k, v)
+
+    def project_gated(
+        self,
+        h,  # [B, T, H] input-normed
+        positions,  # [B, T] int32
+    ):  # -> (q [B, T, heads, d] normed + RoPE, gate [B, T, heads, d], k [B, T, kv_heads, d], v)
+        cfg = self.config
+        d = cfg.head_dim
+        qg = jnp.einsum("btf,fnd->btnd", h, self.q_proj[...])
+        k = jnp.einsum("btf,fnd->btnd", h, self.k_proj[...])
+        v = jnp.einsum("btf,fnd->btnd", h, self.v_proj[...])
+        q = apply_partial_rope(self.q_norm(qg[..., :d]), positions, cfg)
+        return q, qg[..., d:], apply_partial_rope(self.k_norm(k), positions, cfg), v
+
+    def gated_output(
+        self,
+        x,  # [B, T, H] the layer's input (residual stream)
+        heads,  # [B, T, heads, d] attention output
+        gate=None,  # [B, T, heads, d]; None: recomputed from x
+    ):  # -> [B, T, H]: x + o_proj(heads * sigmoid(gate))
+        d = self.config.head_dim
+        if gate is None:
+            gate = jnp.einsum("btf,fnd->btnd", self.input_layernorm(x), self.q_proj[...][..., d:])
         heads = heads * jax.nn.sigmoid(gate)
         b, t, n, _ = heads.shape
-        x = x + jnp.dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1))
-        return (x, k, v, k_cache.stack, v_cache.stack) if threaded else (x, k, v)
+        return x + jnp.dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1))
 
 
 class FeedForward(nnx.Module):

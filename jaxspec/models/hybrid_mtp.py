@@ -32,7 +32,7 @@ from jaxspec.decoding.heads import _HeadDrafter
 from jaxspec.decoding.protocols import Observation
 from jaxspec.kernels import tree_attention
 from jaxspec.models.config import ModelConfig, matmul_precision
-from jaxspec.models.hybrid import CenteredRMSNorm, FeedForward, GatedAttention, apply_partial_rope
+from jaxspec.models.hybrid import CenteredRMSNorm, FeedForward, GatedAttention
 from jaxspec.models.layers import logical_param
 from jaxspec.models.mtp import MTPHead
 
@@ -80,38 +80,12 @@ class HybridMTPConfig:
 
 
 class _Attention(GatedAttention):
-    """GatedAttention cut at the attention: projections, then the gated output, so that the
-    draft training unroll (`jaxspec.rl.draft.mtp_hidden`) can run its own attention."""
-
-    def project_gated(
-        self,
-        h,  # [B, T, H] input-normed
-        positions,  # [B, T] int32 (>= 0)
-    ):  # -> (q [B, T, heads, d] normed + RoPE, gate [B, T, heads, d], k [B, T, kv_heads, d], v)
-        cfg = self.config
-        d = cfg.head_dim
-        qg = jnp.einsum("btf,fnd->btnd", h, self.q_proj[...])
-        k = jnp.einsum("btf,fnd->btnd", h, self.k_proj[...])
-        v = jnp.einsum("btf,fnd->btnd", h, self.v_proj[...])
-        q = apply_partial_rope(self.q_norm(qg[..., :d]), positions, cfg)
-        return q, qg[..., d:], apply_partial_rope(self.k_norm(k), positions, cfg), v
+    """GatedAttention cut at the attention (`project_gated`, then `gated_output`), so that
+    the draft training unroll (`jaxspec.rl.draft.mtp_hidden`) can run its own attention."""
 
     def project(self, h, positions):  # [B, T, H], [B, T] -> (q, k, v) as project_gated
         q, _, k, v = self.project_gated(h, positions)
         return q, k, v
-
-    def gated_output(
-        self,
-        x,  # [B, T, H] the layer's input (residual stream)
-        heads,  # [B, T, heads, d] attention output
-        gate=None,  # [B, T, heads, d]; None: recomputed from x
-    ):  # -> [B, T, H]
-        d = self.config.head_dim
-        if gate is None:
-            gate = jnp.einsum("btf,fnd->btnd", self.input_layernorm(x), self.q_proj[...][..., d:])
-        heads = heads * jax.nn.sigmoid(gate)
-        b, t, n, _ = heads.shape
-        return x + jnp.dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1))
 
 
 class _Layer(nnx.Module):

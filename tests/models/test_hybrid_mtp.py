@@ -336,13 +336,8 @@ def test_generate_with_the_drafter_is_the_plain_rollout(method):
     """generate(drafter=HybridMTPDrafter) on a hybrid policy: under replay token for token the
     plain rollout (with the same key), and drafts were accepted; rejection runs too."""
     from jaxspec.decoding import SamplingConfig, generate
-    from jaxspec.decoding.arguments import check_policy
 
     policy = _policy("qwen3_5")
-    try:
-        check_policy(policy)
-    except ValueError:
-        pytest.skip("the engine does not run hybrid policies at this commit")
     prompts = np.random.default_rng(8).integers(0, policy.config.vocab_size, (2, 5))
     kw = dict(sampling=SamplingConfig(1.0, 0, 1.0), max_new_tokens=12, key=jax.random.key(0),
               method=method)

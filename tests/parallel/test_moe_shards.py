@@ -5,7 +5,6 @@ grouped Pallas kernel (interpreted) in a shard_map whose expert weights are all-
 inside it. Meshes split the rows over data and fsdp together, or over fsdp alone with the
 weights' embed split too; a tensor split keeps the XLA path."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
