@@ -384,6 +384,9 @@ class HistorySpec:
     # hybrid: the head drafts only in iterations where some live row's history has no
     # full-depth path (false: at every iteration)
     gate_head: bool = _default(HybridDrafter, "gate")
+    # history: draft one chain, the best-matched path `depth` deep, not a tree of `budget`
+    # nodes (a hybrid policy, family qwen3_5 / qwen3_next, verifies chains only)
+    chain: bool = _default(HistoryDrafter, "chain")
 
     def drafter_settings(self, k: int) -> dict:
         """The HistoryDrafter keywords of these fields.
@@ -392,7 +395,7 @@ class HistorySpec:
             k: draft.k, the depth when `depth` is null.
         """
         return dict(k=self.depth or k, budget=self.budget, min_n=self.min_n, max_n=self.max_n,
-                    max_matches=self.max_matches)
+                    max_matches=self.max_matches, chain=self.chain)
 
     def check(self, k: int) -> None:
         """HistoryDrafter's own checks of these fields at draft depth `k`; a FieldError

@@ -229,6 +229,7 @@ def test_a_config_saved_by_an_earlier_version_still_loads():
     for (section, key), default in added_since.items():
         assert written[section].pop(key) == default
     assert written["mesh"]["rules"].pop("experts") == "expert"  # a rule added since
+    assert written["draft"]["history"].pop("chain") is False  # a key added since
     assert written == C._yaml_load(path.read_text())
 
 

@@ -44,6 +44,7 @@ from jaxspec.decoding.draws import pick_draft
 from jaxspec.decoding.history_index import (
     NEG,
     HistoryStore,
+    best_path,
     lookup,
     prompt_key,
     select,
@@ -51,6 +52,7 @@ from jaxspec.decoding.history_index import (
     trie,
 )
 from jaxspec.decoding.protocols import DraftContext, Observation, StateAxes
+from jaxspec.decoding.tree import Tree
 from jaxspec.errors import FieldError
 
 __all__ = ["HistoryDrafter", "HistoryStore", "HybridDrafter", "prompt_key", "sibling_table"]
@@ -74,6 +76,8 @@ class HistoryDrafter(ModelFreeDrafter):
 
     Build one per batch with `HistoryDrafter.for_batch`. A row's tree holds the `budget`
     trie nodes with the most matches (depth <= k); with no match it is empty (all absent).
+    With `chain=True` it is one chain k deep instead, the trie's best path (for a hybrid
+    policy, which verifies chains only); where the path ends early the rest repeats the root.
     """
 
     store: HistoryStore
@@ -86,13 +90,19 @@ class HistoryDrafter(ModelFreeDrafter):
     min_n: int = dataclasses.field(default=1, metadata=dict(static=True))
     max_n: int = dataclasses.field(default=4, metadata=dict(static=True))
     max_matches: int = dataclasses.field(default=8, metadata=dict(static=True))
+    # True: one chain, the trie's best path k deep (`history_index.best_path`), what a hybrid
+    # (Gated DeltaNet) policy verifies; budget is then unused
+    chain: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __post_init__(self):
         name = type(self).__name__
+        if not isinstance(self.chain, bool):
+            raise FieldError(name, "chain", self.chain, "must be a bool", "true or false",
+                             message=f"{name}.chain must be a bool; got {self.chain!r}")
         for field, low in (("k", 1), ("budget", 1), ("min_n", 1), ("max_matches", 1)):
             _check_int(name, field, getattr(self, field), low)
         _check_int(name, "max_n", self.max_n, self.min_n)
-        if self.budget < self.k:
+        if self.budget < self.k and not self.chain:
             raise FieldError(name, "budget", self.budget,
                              f"must be >= k={self.k} (a chain of k drafts must fit)",
                              f">= {self.k}", message=f"{name}.budget={self.budget} must be >= "
@@ -120,8 +130,9 @@ class HistoryDrafter(ModelFreeDrafter):
         return cls(store=store, siblings=jnp.asarray(sibling_table(groups)),
                    slots=jnp.asarray(slots), **settings)
 
-    num_nodes = property(lambda self: self.budget)
+    num_nodes = property(lambda self: self.k if self.chain else self.budget)
     max_depth = property(lambda self: self.k)
+    drafts_chains = property(lambda self: self.chain)
     supports_rejection = False
 
     def with_k(self, k: int) -> HistoryDrafter:
@@ -152,6 +163,9 @@ class HistoryDrafter(ModelFreeDrafter):
 
     def propose(self, state, policy, ctx: DraftContext):
         (tokens, parents, depths, scores, present), _ = self.pool(ctx)
+        if self.chain:
+            path = best_path(tokens, parents, depths, scores, present, self.k, ctx.root)
+            return Tree.chain(path), None, state
         return select(tokens, parents, depths, scores, present, self.budget, self.k), None, state
 
 

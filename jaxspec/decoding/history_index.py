@@ -229,6 +229,25 @@ def trie(conts, valid):
     return cat(toks), cat(pars), cat(deps), cat(scores), cat(present)
 
 
+def best_path(tokens, parents, depths, scores, present, k: int, fill):  # pool from `trie`
+    """The pool's best chain k deep: from the root, each step to the present child of the
+    previous node with the highest score (the most matches through it; the first in pool
+    order on a tie). Where a row's path ends early the rest is `fill` ([B] int32, e.g. the
+    root's token: a guess the verify may still accept). -> [B, k] int32 (`Tree.chain`)."""
+    batch = tokens.shape[0]
+    b = jnp.arange(batch)
+    prev = jnp.full((batch,), -1, jnp.int32)  # the previous node's pool index, -1: the root
+    alive = jnp.ones((batch,), bool)
+    out = []
+    for d in range(1, k + 1):
+        child = present & (depths == d) & (parents == prev[:, None])
+        best = jnp.argmax(jnp.where(child, scores, NEG), axis=1).astype(jnp.int32)
+        alive = alive & jnp.any(child, axis=1)
+        out.append(jnp.where(alive, tokens[b, best], fill))
+        prev = jnp.where(alive, best, -2)  # -2: no node's parent
+    return jnp.stack(out, axis=1).astype(jnp.int32)
+
+
 def select(tokens, parents, depths, scores, present, budget: int, max_depth: int,
             extra=None) -> Tree:
     """The best `budget` present pool nodes as a Tree (pool order is topological and a

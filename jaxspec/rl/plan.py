@@ -312,14 +312,15 @@ def prepare_run(cfg: Config, *, devices: Sequence | None = None) -> RunPlan:
         raise ConfigError("draft.draft_vocab_size", d.draft_vocab_size,
                           f"larger than the policy's vocabulary ({vocab})", f"<= {vocab}")
     kind = KINDS[d.kind]
-    if model_config.is_hybrid and (kind.history or tree is not None):
+    history_chain = d.kind == "history" and d.history.chain
+    if model_config.is_hybrid and (tree is not None or (kind.history and not history_chain)):
         key, value = ("draft.tree", dataclasses.asdict(tree)) if tree is not None else \
-            ("draft.kind", d.kind)
+            ("draft.history.chain", False) if d.kind == "history" else ("draft.kind", d.kind)
         raise ConfigError(key, value, f"it drafts trees, which policy family "
                           f"{model_config.family!r} cannot verify: its Gated DeltaNet layers "
                           f"keep one recurrent state per row, a tree would need one per node",
-                          "chains: draft.tree=null and a draft.kind without history (none, "
-                          "eagle3, mtp, ngram, block)")
+                          "chains: draft.tree=null, and a chain draft.kind (none, eagle3, mtp, "
+                          "ngram, block) or draft.kind=history with draft.history.chain=true")
     draft_vocab = vocab  # the drafter's vocabulary (a tree expands top_k of it per node)
     if kind.head is not None and kind.head.draft_vocab:
         draft_vocab = d.draft_vocab_size or vocab

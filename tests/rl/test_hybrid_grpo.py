@@ -162,7 +162,9 @@ HYBRID = ["model.family=qwen3_5", "model.num_layers=4",
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["draft.kind=history"], r"draft.kind.*history.*drafts trees.*qwen3_5.*chains"),
+    (["draft.kind=history"], r"draft.history.chain.*False.*drafts trees.*qwen3_5.*"
+     r"draft.history.chain=true"),
+    (["draft.kind=hybrid"], r"draft.kind.*hybrid.*drafts trees.*qwen3_5.*chains"),
     (["draft.tree={top_k: 2, depth: 2, budget: 4}"], r"draft.tree.*drafts trees"),
     (["model.fused_kernels=pallas"], r"model.fused_kernels.*no fused decoder-layer kernels"),
     (["model.family=qwen3_next", "model.num_experts=4", "model.num_experts_per_tok=2",
@@ -171,7 +173,7 @@ HYBRID = ["model.family=qwen3_5", "model.num_layers=4",
       "[linear_attention, full_attention], linear_num_key_heads: 1, linear_num_value_heads: 1, "
       "linear_key_head_dim: 8, linear_value_head_dim: 8, linear_conv_kernel_dim: 2}"],
      r"draft.model.family.*qwen3_5.*roll back"),
-], ids=["history", "tree", "fused_kernels", "next-experts", "hybrid-draft-model"])
+], ids=["history", "history+head", "tree", "fused_kernels", "next-experts", "hybrid-draft-model"])
 def test_what_the_trainer_cannot_do_with_a_hybrid_is_one_error_before_compiling(
         tmp_path, extra, message):
     from jaxspec.config import ConfigError
@@ -185,11 +187,13 @@ def test_what_the_trainer_cannot_do_with_a_hybrid_is_one_error_before_compiling(
 def test_trainer_trains_checkpoints_and_resumes_a_hybrid_policy_bitwise(tmp_path):
     """4 GRPO steps straight equal 2 steps, a stop right after step 2's checkpoint and a
     resumed run of 2 more (params, optimizer state, metrics); every 2nd step's speculative
-    (n-gram chain) rollouts are checked equal to plain ones by the trainer itself."""
+    (history chains: the best-matched path of the group's and the stored rollouts) rollouts
+    are checked equal to plain ones by the trainer itself."""
     from jaxspec.rl.trainer import GRPOTrainer
     from jaxspec.testing.rl import Killed, assert_same_tree, make_config, rows
 
-    extra = [*HYBRID, "draft.kind=ngram", "draft.k=3", "warmup.steps=0", "run.steps=4"]
+    extra = [*HYBRID, "draft.kind=history", "draft.history.chain=true", "draft.k=3",
+             "warmup.steps=0", "run.steps=4"]
     straight = GRPOTrainer(make_config(tmp_path / "straight", *extra))
     assert isinstance(straight.policy, HybridPolicy)
     straight.run()
