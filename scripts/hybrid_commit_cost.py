@@ -4,7 +4,9 @@ bytes accessed) of the verify forward over k + 1 tokens with deferred states
 for this machine's CPU from abstract shapes; with --rounds, also both timed on random
 weights (interleaved, median). XLA's cost analysis counts a loop body once, and both the
 verify's recurrent rule and the commit are loops over the k + 1 tokens: its figures are one
-token's step of each rule, the timings the whole.
+token's step of each rule, the timings the whole. (Since the commit was folded into the next
+forward, `commit` only records the accepted counts: the verify applies the previous pending
+tokens as it reads the states; docs/design.md, "Hybrid policies".)
 
     python scripts/hybrid_commit_cost.py --shape small --batch 16 --k 3 --cache 512 --rounds 20
 """
@@ -52,7 +54,7 @@ def _costs(compiled) -> dict:
 def measure(config: ModelConfig, batch: int, k: int, cache_len: int, rounds: int = 0) -> dict:
     """-> {"verify": {flops, bytes[, seconds]}, "commit": {...}, "state_bytes_per_row"}."""
     policy = HybridPolicy.abstract(config)
-    cache = jax.eval_shape(lambda: HybridCache.zeros(config, batch, cache_len))
+    cache = jax.eval_shape(lambda: HybridCache.zeros(config, batch, cache_len, k + 1))
     tokens = jax.ShapeDtypeStruct((batch, k + 1), jnp.int32)
 
     def verify(policy, tokens, positions, cache):
@@ -71,7 +73,7 @@ def measure(config: ModelConfig, batch: int, k: int, cache_len: int, rounds: int
         real = random_hybrid_policy(config, seed=0)
         rng = np.random.default_rng(0)
         ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, k + 1)), jnp.int32)
-        start = _with_lengths(HybridCache.zeros(config, batch, cache_len), cache_len // 2)
+        start = _with_lengths(HybridCache.zeros(config, batch, cache_len, k + 1), cache_len // 2)
         pos = jnp.broadcast_to(cache_len // 2 + jnp.arange(k + 1, dtype=jnp.int32), ids.shape)
         _, _, after_real, steps_real = verify_jit(real, ids, pos, start)
         taken = jnp.asarray(rng.integers(1, k + 2, (batch,)), jnp.int32)

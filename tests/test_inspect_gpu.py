@@ -273,6 +273,26 @@ def test_stacked_attention_call_charges_small_rank5_operands_whole():
         comp.instructions["q"], comp.instructions["q"], comp.instructions["k"]]) == q + layer + q
 
 
+def test_delta_rule_call_charges_one_layer_of_the_state_and_pending_stacks():
+    """The recurrent kernel (kernels.delta_rule) over the stacked states [L, B, Hv, dk, dv]
+    with the pending tokens' stacks [L, B, P, ..]: one layer of each read, the state's layer
+    written (the aliased stack output), the new tokens' inputs read and outputs written."""
+    text = """ENTRY %main (s: f32[6,2,4,8,16], pk: f32[6,2,3,2,8], pg: f32[6,2,3,4], k: f32[2,4,2,8]) -> (f32[2,4,4,16], f32[6,2,4,8,16]) {
+  %s = f32[6,2,4,8,16]{4,3,2,1,0} parameter(0)
+  %pk = f32[6,2,3,2,8]{4,3,2,1,0} parameter(1)
+  %pg = f32[6,2,3,4]{3,2,1,0} parameter(2)
+  %k = f32[2,4,2,8]{3,2,1,0} parameter(3)
+  ROOT %c = (f32[2,4,4,16]{3,2,1,0}, f32[6,2,4,8,16]{4,3,2,1,0}) custom-call(%k, %pk, %pg, %s), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/delta_rule_recurrent/pallas_call"}
+}
+"""
+    comp = hlo.parse(text).entry
+    ops = [comp.instructions[n] for n in ("k", "pk", "pg", "s")]
+    layer = 2 * 4 * 8 * 16 * 4
+    pending = (2 * 3 * 2 * 8 + 2 * 3 * 4) * 4
+    k, out = 2 * 4 * 2 * 8 * 4, 2 * 4 * 4 * 16 * 4
+    assert stacked_attention_reads(comp.instructions["c"], ops) == k + pending + layer + out + layer
+
+
 def test_target_platform_drives_the_backend_choices():
     cfg = ModelConfig.tiny()
     policy = Policy.abstract(cfg)
@@ -401,7 +421,8 @@ def test_model_flops_count_the_experts_a_token_routes_to(mlp_only):
 def test_hybrid_floor_counts_the_recurrent_state_and_the_rollback_by_hand():
     """A Qwen3.5-layout policy's floor: weights once, the full layers' KV, each linear layer's
     delta-rule state (float32 [Hv, dk, dv]) and convolution state ([conv_dim, K-1]) read
-    once and written once per row; a verify also writes and reads its tokens' rule inputs.
+    once and written once per row; a verify also writes (pending) and reads (the next
+    forward) its tokens' rule and convolution inputs.
     Its decode and verify programs build and compile here (CPU), and a tree is refused."""
     from jaxspec.gpu_targets.inspect import build_program, floor_bytes
 
@@ -414,9 +435,9 @@ def test_hybrid_floor_counts_the_recurrent_state_and_the_rollback_by_hand():
     parts = floor_bytes(cfg, batch, fed, 64, rollback=True)
     assert parts["recurrent state read"] == parts["recurrent state written"] == state
     assert parts["KV read"] == batch * 64 * 2 * 1 * cfg.num_kv_heads * cfg.head_dim * item
-    per_token = 2 * hk * dk * 4 + hv * dv * item + 2 * hv * 4 + conv_dim * item
-    assert parts["rollback inputs (written, read)"] == 2 * linear * batch * fed * per_token
-    assert "rollback inputs (written, read)" not in floor_bytes(cfg, batch, 1, 64)
+    per_token = 2 * hk * dk * 4 + hv * dv * 4 + 2 * hv * 4 + conv_dim * item
+    assert parts["pending inputs (written, read)"] == 2 * linear * batch * fed * per_token
+    assert "pending inputs (written, read)" not in floor_bytes(cfg, batch, 1, 64)
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
     for name in ("decode", "verify_k3"):
         prog = build_program(name, cfg, batch=batch, context=64, mesh=mesh, platform="cpu")

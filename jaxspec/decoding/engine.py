@@ -21,6 +21,7 @@ from jaxspec.decoding.arguments import pad_prompts
 from jaxspec.decoding.drafters import NoDrafter
 from jaxspec.decoding.driver import capacity_tiers, drive, growth_axes
 from jaxspec.decoding.loop_state import LoopInputs, LoopSpec, node_classes
+from jaxspec.decoding.policy_cache import with_verify_buffer
 from jaxspec.decoding.protocols import ChecksPrompts, Drafter, HasStateAxes, RefillsRows
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.slots import row_axes
@@ -155,7 +156,7 @@ def _checked(policy, prompts, drafter, sampling, max_new_tokens, key, stop_token
         capture=tuple(drafter.capture_layers), defer=defer,
         window=adaptive.window if adaptive is not None else 0, refill_hook=hook, row_axes=refill_axes)
     inp = LoopInputs(
-        policy=decoding_policy(policy), drafter=drafter, prompt_tokens=jnp.asarray(tokens),
+        policy=with_verify_buffer(decoding_policy(policy), nodes), drafter=drafter, prompt_tokens=jnp.asarray(tokens),
         prompt_lengths=jnp.asarray(prompt_lengths), sampling=sampling, key=key,
         stops=jnp.asarray(stops or [-1], jnp.int32), rows=jnp.asarray(rows, jnp.int32),
         order=jnp.asarray(order, jnp.int32), adaptive=adaptive, variants=variants,

@@ -6,8 +6,11 @@ The loop asks four things of it, whatever the policy: a verify forward (`verify_
 keeping what the verdict accepted (`keep_accepted`), a prefilled row written into a slot
 (`write_row`) and where each leaf keeps its rows and cache positions (`cache_axes`, for
 refills and cache growth). A hybrid verify of k drafts defers its states
-(`HybridPolicy.forward(defer_state=True)`) and `keep_accepted` commits those after the root
-and the accepted drafts (`DeltaSteps.commit`): what plain decoding of the same tokens holds.
+(`HybridPolicy.forward(defer_state=True)`: it applies the row's pending tokens and keeps its
+own pending) and `keep_accepted` keeps the root and the accepted drafts pending
+(`DeltaSteps.commit`), which the row's next forward applies as it reads the states: what
+plain decoding of the same tokens holds, with the states read and written once per
+iteration (docs/design.md, "Hybrid policies").
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from jaxspec import parallel
 from jaxspec.decoding.protocols import DraftsChains, StateAxes, kv_cache_axes
 from jaxspec.decoding.tree import Tree
 from jaxspec.models import HybridCache, HybridPolicy, KVCache, compact
+from jaxspec.models.hybrid import PendingSteps
 
 __all__ = ["cache_axes", "check_chains", "keep_accepted", "sharded", "verify_forward",
-           "write_row"]
+           "with_verify_buffer", "write_row"]
 
 
 def is_recurrent(policy) -> bool:
@@ -48,12 +52,22 @@ def check_chains(drafter, policy) -> None:
         f"MTPDrafter with tree=None, BlockDrafter), or plain decoding (drafter=None)")
 
 
+def with_verify_buffer(policy, nodes: int):
+    """`policy` whose caches hold `nodes` + 1 pending tokens (a hybrid's verify of chains of
+    up to `nodes` drafts defers into them: `HybridPolicy.pending_tokens`); others as given."""
+    if not is_recurrent(policy):
+        return policy
+    return policy.replace(pending_tokens=nodes + 1 if nodes else 0)
+
+
 def cache_axes(policy) -> KVCache | HybridCache:
     """The policy cache's pytree with a `StateAxes` per leaf: its row axis and its cache-slot
     axis (None: the leaf's size does not depend on the capacity)."""
     if not is_recurrent(policy):
         return kv_cache_axes()
-    return HybridCache(kv=kv_cache_axes(), conv=StateAxes(row=1), state=StateAxes(row=1))
+    rows = StateAxes(row=1)
+    return HybridCache(kv=kv_cache_axes(), conv=rows, state=rows, pending=PendingSteps(
+        q=rows, k=rows, v=rows, g=rows, beta=rows, x=rows, count=StateAxes(row=0)))
 
 
 def sharded(cache: KVCache | HybridCache) -> KVCache | HybridCache:
@@ -65,9 +79,12 @@ def sharded(cache: KVCache | HybridCache) -> KVCache | HybridCache:
                  lengths=parallel.constrain(kv.lengths, ("batch",)))
     if not isinstance(cache, HybridCache):
         return kv
+    rows = lambda a: parallel.constrain(a, ("layers", "batch") + (None,) * (a.ndim - 2))  # noqa: E731
+    p = cache.pending
     return HybridCache(
-        kv=kv, conv=parallel.constrain(cache.conv, ("layers", "batch", None, None)),
-        state=parallel.constrain(cache.state, ("layers", "batch", None, None, None)))
+        kv=kv, conv=rows(cache.conv), state=rows(cache.state),
+        pending=PendingSteps(*(rows(a) for a in p.inputs()),
+                             count=parallel.constrain(p.count, ("batch",))))
 
 
 def verify_forward(
@@ -108,8 +125,9 @@ def keep_accepted(
     prefix: bool,  # the tree is a chain (kept entries already contiguous)
 ):
     """The cache after a verify holding exactly the kept entries: the KV compacted
-    (`jaxspec.models.compact`), and a hybrid's states committed after each row's kept
-    entries (the root and the accepted drafts, as a plain decode of them would leave them)."""
+    (`jaxspec.models.compact`), and a hybrid's kept entries (the root and the accepted
+    drafts) left pending: the row's next forward applies them to its states, which then
+    hold what a plain decode of them would leave."""
     if not isinstance(cache, HybridCache):
         return compact(cache, kept, num_fed=num_fed, fed_mask=fed_mask, prefix=prefix)
     cache = dataclasses.replace(
@@ -127,7 +145,9 @@ def write_row(
 ):
     """`cache` with row `slot` replaced by `sub`'s row (its first sub-capacity slots; the rest
     of the row is stale and never read: a row holds slots [0, lengths)). A hybrid row's
-    recurrent states are `sub`'s whole, so a refilled slot starts from the prefill's."""
+    recurrent states are `sub`'s whole, so a refilled slot starts from the prefill's, with
+    nothing pending (a prefill leaves none; `sub` must come from the same policy's
+    `init_cache`, whose pending buffer has the loop's size)."""
     def put(full, part, ax):
         start = [0] * full.ndim
         start[ax.row] = slot

@@ -171,8 +171,13 @@ def stacked_attention_reads(inst, operands) -> int | None:
     read = sum(op.bytes // layers if _array(op.shape) == stack else op.bytes for op in operands)
     outputs = [f"{t}[{d}]" for t, d in hlo._ARRAY.findall(inst.shape)]
     if "delta_rule_recurrent" in inst.op_name:  # its stack, when an output, written one layer
-        return read + sum(hlo.shape_bytes(o) // (layers if _array(o) == stack else 1)
-                          for o in outputs)
+        # (and the pending tokens' stacks [layers, batch, P, ..]: one layer read)
+        lead = tuple(stack[1].split(",")[:2]) if stack else None
+        pending = sum(op.bytes - op.bytes // layers for op in operands
+                      if (a := _array(op.shape)) and a != stack
+                      and tuple(a[1].split(",")[:2]) == lead)
+        return read - pending + sum(hlo.shape_bytes(o) // (layers if _array(o) == stack else 1)
+                                    for o in outputs)
     written = sum(hlo.shape_bytes(o) for o in outputs if _array(o) != stack)
     return read + written
 
@@ -217,10 +222,10 @@ def _hybrid_floor(cfg, batch: int, fed: int, context: int, *, embed_rows: bool,
     """`floor_bytes` of a hybrid policy (jaxspec.models.hybrid): every weight once, the full-
     attention layers' live KV once and their new entries, and per linear layer and row its
     recurrent state (the delta rule's float32 [Hv, dk, dv] and the convolution's last K-1
-    inputs) read once and written once. A verify (`rollback`) keeps what the rollback needs
-    to set the state after the accepted prefix: its tokens' rule inputs (DeltaSteps: q, k
-    float32 per key head, v, the gate and rate float32 per value head) and the convolution
-    window, written once and read once."""
+    inputs) read once and written once. A verify (`rollback`) keeps its tokens pending for
+    the next forward to apply once the accepted count is known (HybridCache.pending): their
+    rule inputs (q, k float32 per key head, v float32 per value head, the gate and rate
+    float32 per value head) and convolution inputs, written once and read once."""
     from jaxspec.models.hybrid import HybridCache, HybridPolicy, layer_plan
 
     params = HybridPolicy.abstract(cfg).params
@@ -242,8 +247,8 @@ def _hybrid_floor(cfg, batch: int, fed: int, context: int, *, embed_rows: bool,
     if rollback:
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        per_token = 2 * hk * dk * 4 + hv * dv * item + 2 * hv * 4 + (2 * hk * dk + hv * dv) * item
-        parts["rollback inputs (written, read)"] = 2 * linear * batch * fed * per_token
+        per_token = 2 * hk * dk * 4 + hv * dv * 4 + 2 * hv * 4 + (2 * hk * dk + hv * dv) * item
+        parts["pending inputs (written, read)"] = 2 * linear * batch * fed * per_token
     return parts
 
 
@@ -304,9 +309,11 @@ def _build_program(name, cfg, *, batch, context, mesh, prompt_len, draft_vocab, 
             zeros = HybridCache.zeros
         else:
             zeros = KVCache.zeros
-        cache = _abstract(jax.eval_shape(lambda: zeros(cfg, batch, context)), rep)
         fed = {"decode": 1, "verify_k3": VERIFY_K + 1, "tree_n16": TREE_NODES,
                "refill": prompt_len}[name]
+        # (a hybrid verify keeps its tokens pending in the cache: a buffer of k + 1)
+        pending = dict(pending=fed) if cfg.is_hybrid and name == "verify_k3" else {}
+        cache = _abstract(jax.eval_shape(lambda: zeros(cfg, batch, context, **pending)), rep)
         tokens = jax.ShapeDtypeStruct((batch, fed), jnp.int32, sharding=rep)
         live = context if name != "refill" else 0
         parts = floor_bytes(cfg, batch, fed, live, rollback=name == "verify_k3")
@@ -330,7 +337,8 @@ def _build_program(name, cfg, *, batch, context, mesh, prompt_len, draft_vocab, 
                     target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, k+1]
                     hit = jnp.cumprod(target[:, :-1] == tok[:, 1:], axis=1)
                     accepted = jnp.sum(hit, axis=1, dtype=jnp.int32)  # [B]
-                    # the linear layers' states after the fed token and the accepted drafts
+                    # the fed token and the accepted drafts kept pending: the next verify
+                    # applies them to the linear layers' states as it reads them
                     cache = deferred.commit(cache, accepted + 1)
                     kv = dataclasses.replace(
                         cache.kv, lengths=cache.kv.lengths - (tok.shape[1] - 1 - accepted))

@@ -48,25 +48,41 @@ def stacked_rule(
             and tokens <= MAX_TOKENS)
 
 
-def _kernel(layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, s_out_ref=None, *,
-            tokens: int, block_v: int, write: bool):
+def _kernel(layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *refs, tokens: int, pending: int,
+            rep: int, block_v: int, write: str | None):
+    if pending:
+        count_ref, pq_ref, pk_ref, pv_ref, pg_ref, pb_ref, s_ref, o_ref, *s_out = refs
+    else:
+        s_ref, o_ref, *s_out = refs
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     cols = pl.ds(j * block_v, block_v)
     s = s_ref[layer, b, h, :, cols]  # [dk, block_v] float32
-    for t in range(tokens):
-        decay = jnp.exp(g_ref[t])
-        k_t, q_t, v_t = k_ref[t, :], q_ref[t, :], v_ref[t, :]
+
+    def step(s, q_t, k_t, v_t, g_t, b_t):
+        decay = jnp.exp(g_t)
         sk = jnp.sum(s * k_t[:, None], axis=0)  # [block_v]
         sq = jnp.sum(s * q_t[:, None], axis=0)
-        c = b_ref[t] * (v_t - decay * sk)
-        o_ref[t, :] = decay * sq + jnp.sum(k_t * q_t) * c
-        s = s * decay + k_t[:, None] * c[None, :]
-    if write:
-        s_out_ref[layer, b, h, :, cols] = s
+        c = b_t * (v_t - decay * sk)
+        return s * decay + k_t[:, None] * c[None, :], decay * sq + jnp.sum(k_t * q_t) * c
+
+    if pending:  # the row's accepted tokens of the last verify, then identity steps
+        kept, hk = count_ref[b], h // rep
+        for t in range(pending):
+            new, _ = step(s, pq_ref[layer, b, t, hk, :], pk_ref[layer, b, t, hk, :],
+                          pv_ref[layer, b, t, h, cols], pg_ref[layer, b, t, h],
+                          pb_ref[layer, b, t, h])
+            s = jnp.where(t < kept, new, s)
+    if write == "pending":
+        s_out[0][layer, b, h, :, cols] = s
+    for t in range(tokens):
+        s, out = step(s, q_ref[t, :], k_ref[t, :], v_ref[t, :], g_ref[t], b_ref[t])
+        o_ref[t, :] = out.astype(o_ref.dtype)
+    if write == "all":
+        s_out[0][layer, b, h, :, cols] = s
 
 
-@functools.partial(jax.jit, static_argnames=("write", "block_v", "interpret"))
+@functools.partial(jax.jit, static_argnames=("write", "out_dtype", "block_v", "interpret"))
 def recurrent_stacked(
     q,  # [B, T, Hk, dk] float32, L2-normed and scaled
     k,  # [B, T, Hk, dk] float32, L2-normed
@@ -75,13 +91,22 @@ def recurrent_stacked(
     beta,  # [B, T, Hv] float32
     stack,  # [L, B, Hv, dk, dv] float32: every layer's state
     layer,  # [] int32: the layer whose state the rule reads (and writes)
+    pending=None,  # None, or (count [B] int32, q [L, B, P, Hk, dk], k, v [L, B, P, Hv, dv],
+    # g [L, B, P, Hv], beta) all float32 but count: per row the first count[b] of the P
+    # tokens at `layer` run before the T new ones (a verify's accepted tokens; the rest skip)
     *,
-    write: bool,
+    write: str | None,
+    out_dtype=jnp.float32,  # the output's dtype (rounded from float32 in the kernel)
     block_v: int = BLOCK_V,
     interpret: bool = False,
-):  # -> (out [B, T, Hv, dv] float32, stack: with layer's state after the T tokens if write)
-    """The rule over T tokens from `stack[layer]`; with `write` the new state goes into the
-    stack in place (the returned stack aliases the argument), else the stack is unchanged."""
+):  # -> (out [B, T, Hv, dv] out_dtype, stack)
+    """The rule over the row's pending tokens, then the T new ones, from `stack[layer]`, in
+    one pass over the state. write="all": the state after every token goes into the stack
+    in place (the returned stack aliases the argument; a decode step); "pending": the state
+    after the pending tokens only (a verify, whose own tokens become the next pending);
+    None: the stack is unchanged."""
+    if write not in ("all", "pending", None):
+        raise ValueError(f"recurrent_stacked: write={write!r}; valid: 'all', 'pending', None")
     bsz, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if stack.shape[1:] != (bsz, hv, dk, dv) or dv % block_v or hv % hk:
@@ -94,15 +119,26 @@ def recurrent_stacked(
             return jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
         q, k, v, g, beta = (padded(a) for a in (q, k, v, g, beta))
     tp, rep = t + pad, hv // hk
-    kernel = functools.partial(_kernel, tokens=tp, block_v=block_v, write=write)
+    p = 0 if pending is None else pending[1].shape[2]
+    kernel = functools.partial(_kernel, tokens=tp, pending=p, rep=rep, block_v=block_v,
+                               write=write)
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    whole = pl.BlockSpec(stack.shape, lambda b, h, j: (0,) * 5)  # indexed in the kernel
+
+    def whole(a):  # read in place, indexed in the kernel
+        return pl.BlockSpec(a.shape, lambda b, h, j: (0,) * a.ndim)
+
+    extra, extra_specs = (), []
+    if p:
+        count, *steps = pending
+        extra = (count.astype(jnp.int32),) + tuple(steps)
+        extra_specs = [whole(a) for a in extra]
     out_spec = pl.BlockSpec((None, tp, None, block_v), lambda b, h, j: (b, 0, h, j))
-    out_shape = jax.ShapeDtypeStruct((bsz, tp, hv, dv), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((bsz, tp, hv, dv), out_dtype)
+    state_at = 6 + len(extra)
     outs = pl.pallas_call(
         kernel,
         grid=(bsz, hv, dv // block_v),
@@ -113,16 +149,17 @@ def recurrent_stacked(
             pl.BlockSpec((None, tp, None, block_v), lambda b, h, j: (b, 0, h, j)),
             pl.BlockSpec((None, tp, None), lambda b, h, j: (b, 0, h)),
             pl.BlockSpec((None, tp, None), lambda b, h, j: (b, 0, h)),
-            whole,
+            *extra_specs,
+            whole(stack),
         ],
         # written: the stack comes back aliased (updated in place); read only: not an output
         # (an aliased output of a stack still live elsewhere would be a copy of it)
-        out_specs=[out_spec, whole] if write else [out_spec],
+        out_specs=[out_spec, whole(stack)] if write else [out_spec],
         out_shape=[out_shape, jax.ShapeDtypeStruct(stack.shape, stack.dtype)] if write
         else [out_shape],
-        input_output_aliases={6: 1} if write else {},
+        input_output_aliases={state_at: 1} if write else {},
         compiler_params=params,
         interpret=interpret,
         name="delta_rule_recurrent",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), q, k, v, g, beta, stack)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), q, k, v, g, beta, *extra, stack)
     return outs[0][:, :t], outs[1] if write else stack

@@ -27,8 +27,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["causal_conv", "chunk_cumsum", "delta_rule_chunked", "delta_rule_recurrent",
-           "l2_normalize", "CHUNK"]
+from jaxspec.kernels.invariant import tree_sum, uncontracted
+
+__all__ = ["causal_conv", "chunk_cumsum", "delta_rule_chunked", "delta_rule_invariant",
+           "delta_rule_recurrent", "l2_normalize", "CHUNK"]
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's default)
 
@@ -40,9 +42,12 @@ _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 _matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 
 
-def l2_normalize(x, eps: float = 1e-6):  # [..., d] -> [..., d] (FLA's l2norm: rsqrt(|x|^2 + eps))
+def l2_normalize(x, eps: float = 1e-6, invariant: bool = False):  # [..., d] -> [..., d]
+    """FLA's l2norm: x rsqrt(|x|^2 + eps); `invariant` (ModelConfig.batch_invariant): the
+    squares summed by `tree_sum`, one association whatever the shape."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    squares = tree_sum(x * x)[..., None] if invariant else jnp.sum(x * x, axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(squares + eps)
 
 
 def _two_sum(a, b):  # -> (s, e): s = fl(a + b) and its rounding error, a + b = s + e exactly
@@ -112,16 +117,57 @@ def delta_rule_recurrent(
         return s * decay[..., None] + k_t[..., :, None] * correction[..., None, :], out
 
     xs = tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (q, k, v, g, beta))
-    state = state.astype(f32)
-    if q.shape[1] > UNROLL_TOKENS:
+    state, out = _over_tokens(step, state.astype(f32), xs)
+    return out, state
+
+
+def _over_tokens(step, state, xs):  # xs: [T, B, ...] each -> (state, out [B, T, ...])
+    """`step` over the tokens: a `lax.scan` past UNROLL_TOKENS, else unrolled (a decode's or
+    a verify's few tokens without a loop: a loop takes a copy of the state)."""
+    if xs[0].shape[0] > UNROLL_TOKENS:
         state, out = jax.lax.scan(step, state, xs)
-        return jnp.moveaxis(out, 0, 1), state
-    # a decode's or a verify's few tokens without a loop: a loop takes a copy of the state
+        return state, jnp.moveaxis(out, 0, 1)
     outs = []
-    for t in range(q.shape[1]):
+    for t in range(xs[0].shape[0]):
         state, o = step(state, tuple(a[t] for a in xs))
         outs.append(o)
-    return jnp.stack(outs, axis=1), state
+    return state, jnp.stack(outs, axis=1)
+
+
+def delta_rule_invariant(
+    q,  # [B, T, Hk, dk] L2-normed and scaled
+    k,  # [B, T, Hk, dk] L2-normed
+    v,  # [B, T, Hv, dv]
+    g,  # [B, T, Hv] log decay (<= 0); 0 with beta 0 leaves the state as it was
+    beta,  # [B, T, Hv]
+    state,  # [B, Hv, dk, dv] float32
+):  # -> (out [B, T, Hv, dv] float32, state [B, Hv, dk, dv] float32)
+    """The recurrent rule of the batch-invariant forward (ModelConfig.batch_invariant): its
+    steps as `delta_rule_recurrent`'s, every sum over dk a `tree_sum` and every product
+    `uncontracted` (no dot, no FMA), so a row's bits depend on its own tokens only: not on
+    the batch, the token count, nor whether the steps are unrolled (<= UNROLL_TOKENS) or
+    scanned. Prefill, decode, verify, the pending tokens' commit and the training forward
+    all run it (chunked and recurrent forms round differently)."""
+    q, k = _expand_heads(q, k, v.shape[2])
+
+    def step(s, xs):  # s [B, Hv, dv, dk]: the state transposed, dk last for tree_sum
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, Hv, dk], [B, Hv, dk], [B, Hv, dv], [B, Hv], [B, Hv]
+        decay = jnp.exp(g_t)[..., None]  # [B, Hv, 1]
+        read_k = tree_sum(s * k_t[:, :, None, :])  # S^T k [B, Hv, dv]
+        read_q = tree_sum(s * q_t[:, :, None, :])  # S^T q
+        correction = b_t[..., None] * (v_t - uncontracted(decay * read_k))
+        kq = tree_sum(k_t * q_t)[..., None]
+        out = uncontracted(decay * read_q) + uncontracted(kq * correction)
+        s = (uncontracted(s * decay[..., None])
+             + uncontracted(correction[..., :, None] * k_t[:, :, None, :]))
+        return s, out
+
+    # the inputs `uncontracted` too: a caller's product (v = silu(conv) = conv sigmoid(conv))
+    # fused into the step would otherwise meet its subtraction as one FMA in some programs
+    xs = tuple(jnp.moveaxis(uncontracted(a.astype(jnp.float32)), 1, 0)
+               for a in (q, k, v, g, beta))
+    s, out = _over_tokens(step, jnp.swapaxes(state.astype(jnp.float32), -1, -2), xs)
+    return out, jnp.swapaxes(s, -1, -2)
 
 
 def delta_rule_chunked(
@@ -184,14 +230,17 @@ def causal_conv(
     conv_state,  # [B, C, K-1] the row's previous K-1 inputs, oldest first
     weight,  # [C, K] depthwise taps, the last one on the current input
     counts,  # [B] int32: real inputs per row
+    invariant: bool = False,
 ):  # -> (out [B, T, C] float32 before the activation, conv_state [B, C, K-1])
     """Depthwise causal convolution over [previous inputs; x], and the state a later call
-    goes on from: the last K-1 real inputs (padding never enters it)."""
+    goes on from: the last K-1 real inputs (padding never enters it). `invariant`
+    (ModelConfig.batch_invariant): each tap's product `uncontracted` (no FMA)."""
     kernel = weight.shape[1]
     t = x.shape[1]
     window = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)
     w = weight.astype(jnp.float32)
-    out = sum(window[:, j:j + t].astype(jnp.float32) * w[:, j] for j in range(kernel))
+    taps = [window[:, j:j + t].astype(jnp.float32) * w[:, j] for j in range(kernel)]
+    out = sum(uncontracted(tap) for tap in taps) if invariant else sum(taps)
     keep = counts[:, None] + jnp.arange(kernel - 1)[None, :]  # [B, K-1] into the window
     new_state = jnp.take_along_axis(window, keep[:, :, None], axis=1)  # [B, K-1, C]
     return out, jnp.swapaxes(new_state, 1, 2).astype(conv_state.dtype)

@@ -41,9 +41,13 @@ from jaxspec.models.config import ModelConfig, matmul_precision
 from jaxspec.models.gated_deltanet import (
     causal_conv,
     delta_rule_chunked,
+    delta_rule_invariant,
     delta_rule_recurrent,
     l2_normalize,
 )
+from jaxspec.kernels.blocked import layer_array
+from jaxspec.kernels.invariant import (invariant_attention, invariant_dot, round_to, tree_sum,
+                                       uncontracted)
 from jaxspec.kernels.delta_rule import recurrent_stacked, stacked_rule
 from jaxspec.kernels.flash import causal_attention
 from jaxspec.models.layers import INIT_STD, MLP, _per_row_shards, logical_param
@@ -81,17 +85,29 @@ def _stack_sizes(config: ModelConfig) -> dict[str, int]:
 
 
 class CenteredRMSNorm(nnx.Module):
-    """HF Qwen3.5's RMSNorm: statistics in float32, times (1 + scale), then the input dtype."""
+    """HF Qwen3.5's RMSNorm: statistics in float32, times (1 + scale), then the input dtype
+    (`invariant`: the mean of squares by `tree_sum`, see jaxspec.kernels.invariant)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype, axis_name: str = "embed"):
+    def __init__(self, dim: int, eps: float, *, dtype, axis_name: str = "embed",
+                 invariant: bool = False):
         self.eps = eps
+        self.invariant = invariant
         self.scale = nnx.Param(jnp.zeros((dim,), dtype), out_sharding=(axis_name,),
                                eager_sharding=False)
 
     def __call__(self, x):  # [..., dim] -> [..., dim]
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        normed = _rms_normed(x, self.eps, self.invariant)
         return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def _rms_normed(x, eps: float, invariant: bool):  # [..., d] -> [..., d] float32
+    """x / rms(x) in float32; `invariant`: the mean of squares by `tree_sum`."""
+    x32 = x.astype(jnp.float32)
+    if invariant:
+        mean = (tree_sum(jnp.square(x32)) / x32.shape[-1])[..., None]
+    else:
+        mean = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return x32 * jax.lax.rsqrt(mean + eps)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -102,7 +118,8 @@ class GatedDeltaNet(nnx.Module):
         dtype, h = config.param_dtype, config.hidden_size
         hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + hv * dv
-        self.input_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, dtype=dtype,
+                                               invariant=config.batch_invariant)
         if config.family == "qwen3_next":  # HF's fused projections, grouped by key head:
             # per key head [q (dk) | k (dk) | its r value heads' v (r dv) | their z (r dv)]
             # and [their b (r) | their a (r)], r = Hv / Hk
@@ -131,16 +148,22 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = h.shape
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        inv = cfg.batch_invariant  # (float32 [B, T, ...] from fixed-shape dots)
         if cfg.family != "qwen3_next":
             # four views of h, so that XLA's dot merger does not fuse the four matmuls into
             # one over a concatenation of their weights, a copy of the layer's input
             # projections at every decode step on a GPU (169 MB per layer at Qwen3.5-27B)
-            hq, hz, hb, ha = jax.lax.optimization_barrier((h, h, h, h))
-            return (hq @ self.in_proj_qkv[...], (hz @ self.in_proj_z[...]).reshape(b, t, hv, dv),
-                    hb @ self.in_proj_b[...], ha @ self.in_proj_a[...])
+            hq, hz, hb, ha = (h,) * 4 if inv else jax.lax.optimization_barrier((h, h, h, h))
+            mm = invariant_dot if inv else jnp.matmul
+            return (mm(hq, self.in_proj_qkv[...]),
+                    mm(hz, self.in_proj_z[...]).reshape(b, t, hv, dv),
+                    mm(hb, self.in_proj_b[...]), mm(ha, self.in_proj_a[...]))
         r = hv // hk
-        qkvz = jnp.einsum("bth,hgc->btgc", h, self.in_proj_qkvz[...])  # [B, T, Hk, ...]
-        ba = jnp.einsum("bth,hgc->btgc", h, self.in_proj_ba[...])
+        if inv:
+            qkvz, ba = invariant_dot(h, self.in_proj_qkvz[...]), invariant_dot(h, self.in_proj_ba[...])
+        else:
+            qkvz = jnp.einsum("bth,hgc->btgc", h, self.in_proj_qkvz[...])  # [B, T, Hk, ...]
+            ba = jnp.einsum("bth,hgc->btgc", h, self.in_proj_ba[...])
         q, k = qkvz[..., :dk], qkvz[..., dk:2 * dk]
         v, z = qkvz[..., 2 * dk:2 * dk + r * dv], qkvz[..., 2 * dk + r * dv:]
         mixed = jnp.concatenate([a.reshape(b, t, -1) for a in (q, k, v)], axis=-1)
@@ -155,12 +178,17 @@ class GatedDeltaNet(nnx.Module):
         conv_state,  # [B, conv_dim, K-1]
         state,  # [B, Hv, dk, dv] float32, or a CacheLayer of the stacked states (then the
         # stack comes back: kernels.delta_rule, where stacked_rule says)
+        pending=None,  # None, or (PendingSteps of every layer [L, B, P, ..], index [] int32):
+        # this layer's row-wise tokens of the last verify, run first (HybridCache.pending)
         defer: bool = False,
         recurrent: bool = False,
-    ):  # -> (x [B, T, H], conv_state, state, steps: DeltaSteps of this layer or None)
-        """defer=True (a verify): the recurrent rule, the states returned as they came in,
-        and the per-token inputs of the rule for `DeltaSteps.commit` to apply once the
-        accepted count is known."""
+    ):  # -> (x [B, T, H], conv_state, state, new pending inputs of this layer or None)
+        """The pending tokens (the accepted ones of the row's last verify) are applied to the
+        committed states first. defer=False: then the new tokens; the states after all come
+        back. defer=True (a verify): the states after the pending tokens come back, and the
+        new tokens' rule inputs `(q, k, v, g, beta, x)` ([B, T, ..]) to become the pending
+        ones (`HybridTransformer`), run by the row's next forward once `DeltaSteps.commit`
+        has said how many were accepted."""
         cfg = self.config
         b, t, _ = x.shape
         dtype = x.dtype
@@ -168,41 +196,81 @@ class GatedDeltaNet(nnx.Module):
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         h = jnp.take_along_axis(self.input_layernorm(x), order[:, :, None], axis=1)
         inputs, z, beta_in, rate_in = self.project(h)
-        conv, new_conv_state = causal_conv(inputs, conv_state, self.conv_weight[...], counts)
+        inv = cfg.batch_invariant
+        if inv:  # the convolution's inputs as its state (param dtype) holds them
+            inputs = round_to(inputs, cfg.param_dtype)
+        mine = None
+        if pending is not None:  # the convolution state after the accepted pending inputs
+            steps, at = pending
+            mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, at, keepdims=False),
+                                steps.inputs())
+            conv_state = _conv_after(conv_state, mine[5], steps.count)
+        conv, new_conv_state = causal_conv(inputs, conv_state, self.conv_weight[...], counts,
+                                           invariant=inv)
         mixed = jax.nn.silu(conv).astype(dtype)
         q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
-        q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
-        k = l2_normalize(k.reshape(b, t, hk, dk))
+        q = l2_normalize(q.reshape(b, t, hk, dk), invariant=inv) * dk ** -0.5
+        k = l2_normalize(k.reshape(b, t, hk, dk), invariant=inv)
         v = v.reshape(b, t, hv, dv)
         real = (jnp.arange(t)[None, :] < counts[:, None])[..., None]  # [B, T, 1]
         beta = jnp.where(real, jax.nn.sigmoid(beta_in).astype(jnp.float32), 0.0)
         rate = jax.nn.softplus(rate_in.astype(jnp.float32)
                                + self.dt_bias[...].astype(jnp.float32))
         g = jnp.where(real, -jnp.exp(self.A_log[...].astype(jnp.float32)) * rate, 0.0)
-        if isinstance(state, CacheLayer):  # the stacked states, in place (one GPU)
-            f32 = jnp.float32
+        f32 = jnp.float32
+        if isinstance(state, CacheLayer):  # the stacked states, in place (one GPU): one pass
+            # over the state for the pending tokens and the new ones
+            extra = None if pending is None else (steps.count,) + steps.inputs()[:5]
             out, new_state = recurrent_stacked(q.astype(f32), k.astype(f32), v.astype(f32), g,
-                                               beta, state.stack, state.index, write=not defer)
-            state = state.stack
+                                               beta, state.stack, state.index, extra,
+                                               write="pending" if defer else "all",
+                                               out_dtype=dtype)  # (as cast below)
         else:
-            rule = delta_rule_recurrent if t == 1 or defer or recurrent else delta_rule_chunked
+            # the batch-invariant forward: one form everywhere (gated_deltanet)
+            one = delta_rule_invariant if inv else delta_rule_recurrent
+            if pending is not None:
+                state = one(*_kept_steps(mine[:5], steps.count), state)[1]
+            rule = one if t == 1 or defer or recurrent or inv else delta_rule_chunked
             out, new_state = rule(q, k, v, g, beta, state)
-        if defer:
-            window = jnp.concatenate([conv_state, jnp.swapaxes(inputs, 1, 2).astype(
-                conv_state.dtype)], axis=-1)
-            steps = DeltaSteps(q=q, k=k, v=v, g=g, beta=beta, window=window)
-        else:
-            steps, conv_state, state = None, new_conv_state, new_state
+            if defer:  # the state after the pending tokens
+                new_state = state
+        new = None
+        if defer:  # this verify's tokens, the next pending ones
+            new = (q.astype(f32), k.astype(f32), v.astype(f32), g, beta, inputs)
+            new_conv_state = conv_state
         out = out.astype(dtype)
         # the gated RMSNorm: normed in float32, scaled in the dtype, gated by silu(z) in float32
-        out32 = out.astype(jnp.float32)
-        normed = (out32 * jax.lax.rsqrt(jnp.mean(jnp.square(out32), -1, keepdims=True)
-                                        + cfg.rms_norm_eps)).astype(dtype)
+        normed = _rms_normed(out, cfg.rms_norm_eps, inv).astype(dtype)
         gated = ((self.gate_norm[...] * normed).astype(jnp.float32)
                  * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
-        y = gated.reshape(b, t, hv * dv) @ self.out_proj[...]
+        y = (invariant_dot if inv else jnp.matmul)(gated.reshape(b, t, hv * dv),
+                                                    self.out_proj[...])
         inverse = jnp.argsort(order, axis=1)
-        return x + jnp.take_along_axis(y, inverse[:, :, None], axis=1), conv_state, state, steps
+        return x + jnp.take_along_axis(y, inverse[:, :, None], axis=1), new_conv_state, \
+            new_state, new
+
+
+def _kept_steps(
+    steps,  # (q [B, P, Hk, dk], k, v [B, P, Hv, dv], g [B, P, Hv], beta) float32
+    count,  # [B] int32: the first count[b] tokens of row b are kept
+):  # -> the same with the later tokens made identity steps (g, beta, k, v zero: S unchanged)
+    q, k, v, g, beta = steps
+    keep = jnp.arange(g.shape[1])[None, :] < count[:, None]  # [B, P]
+    return (q, jnp.where(keep[..., None, None], k, 0.0), jnp.where(keep[..., None, None], v, 0.0),
+            jnp.where(keep[..., None], g, 0.0), jnp.where(keep[..., None], beta, 0.0))
+
+
+def _conv_after(
+    conv_state,  # [B, C, K-1] the committed convolution state
+    inputs,  # [B, P, C] the pending tokens' convolution inputs
+    count,  # [B] int32: the first count[b] of them are kept
+):  # -> [B, C, K-1]: the last K-1 inputs of [conv_state, inputs[:count]] (no concatenation:
+    # a [B, C, K-1+P] window is a copy of the inputs on a GPU)
+    width = conv_state.shape[-1]
+    at = count[:, None] + jnp.arange(width)[None, :]  # [B, K-1] into [conv_state, inputs]
+    old = jnp.take_along_axis(conv_state, jnp.minimum(at, width - 1)[:, None, :], axis=2)
+    new = jnp.take_along_axis(inputs, jnp.maximum(at - width, 0)[:, :, None], axis=1)
+    return jnp.where((at < width)[:, None, :], old, jnp.swapaxes(new, 1, 2).astype(old.dtype))
 
 
 def rope_partial_inv_freq(config: ModelConfig) -> np.ndarray:  # -> [rotary_dim // 2] float32
@@ -225,6 +293,8 @@ def apply_partial_rope(
     rot, rest = x[..., :r], x[..., r:]
     half = r // 2
     rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    if config.batch_invariant:  # no FMA: its contraction depends on the fusion (shapes)
+        return jnp.concatenate([uncontracted(rot * cos) + uncontracted(rotated * sin), rest], -1)
     return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
 
 
@@ -235,14 +305,15 @@ class GatedAttention(nnx.Module):
         self.config = config
         dtype, h, eps = config.param_dtype, config.hidden_size, config.rms_norm_eps
         nq, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-        self.input_layernorm = CenteredRMSNorm(h, eps, dtype=dtype)
+        inv = config.batch_invariant
+        self.input_layernorm = CenteredRMSNorm(h, eps, dtype=dtype, invariant=inv)
         # per head [query | gate], as HF's q_proj output viewed [.., heads, 2 * head_dim]
         self.q_proj = logical_param(rngs, (h, nq, 2 * d), dtype, ("embed", "heads", None))
         self.k_proj = logical_param(rngs, (h, nkv, d), dtype, ("embed", "kv_heads", "head_dim"))
         self.v_proj = logical_param(rngs, (h, nkv, d), dtype, ("embed", "kv_heads", "head_dim"))
         self.o_proj = logical_param(rngs, (nq, d, h), dtype, ("heads", "head_dim", "embed"))
-        self.q_norm = CenteredRMSNorm(d, eps, dtype=dtype, axis_name="head_dim")
-        self.k_norm = CenteredRMSNorm(d, eps, dtype=dtype, axis_name="head_dim")
+        self.q_norm = CenteredRMSNorm(d, eps, dtype=dtype, axis_name="head_dim", invariant=inv)
+        self.k_norm = CenteredRMSNorm(d, eps, dtype=dtype, axis_name="head_dim", invariant=inv)
 
     def __call__(
         self,
@@ -256,7 +327,11 @@ class GatedAttention(nnx.Module):
         cfg = self.config
         q, gate, k, v = self.project_gated(self.input_layernorm(x), positions)
         threaded = isinstance(k_cache, CacheLayer)
-        if not threaded and k_cache.shape[1] == 0 and cfg.train_attention != "reference":
+        if cfg.batch_invariant:  # keys by absolute position, cached or new, in every forward
+            heads = invariant_attention(q, layer_array(k_cache), layer_array(v_cache),
+                                        cache_lengths, k, v, mask, positions)
+            heads = (heads, k_cache, v_cache) if threaded else heads
+        elif not threaded and k_cache.shape[1] == 0 and cfg.train_attention != "reference":
             # no cache (training, scoring): causal over the real tokens without [B, heads,
             # T, T] scores (kernels.flash, model.train_attention), as the dense policy does
             heads = _per_row_shards(functools.partial(
@@ -276,11 +351,22 @@ class GatedAttention(nnx.Module):
     ):  # -> (q [B, T, heads, d] normed + RoPE, gate [B, T, heads, d], k [B, T, kv_heads, d], v)
         cfg = self.config
         d = cfg.head_dim
-        qg = jnp.einsum("btf,fnd->btnd", h, self.q_proj[...])
-        k = jnp.einsum("btf,fnd->btnd", h, self.k_proj[...])
-        v = jnp.einsum("btf,fnd->btnd", h, self.v_proj[...])
-        q = apply_partial_rope(self.q_norm(qg[..., :d]), positions, cfg)
-        return q, qg[..., d:], apply_partial_rope(self.k_norm(k), positions, cfg), v
+        if cfg.batch_invariant:  # float32 from fixed-shape dots; keys and values rounded as
+            # the cache stores them (kernels.invariant.round_to)
+            qg, k, v = (invariant_dot(h, w[...]) for w in (self.q_proj, self.k_proj, self.v_proj))
+            v = round_to(v, cfg.param_dtype)
+        else:
+            qg = jnp.einsum("btf,fnd->btnd", h, self.q_proj[...])
+            k = jnp.einsum("btf,fnd->btnd", h, self.k_proj[...])
+            v = jnp.einsum("btf,fnd->btnd", h, self.v_proj[...])
+        # normed beside its gate half, then sliced: the query half of the projection fed to
+        # the norm is a copy on a GPU (2.1 MB per layer at Qwen3.5-9B, batch 64, 4 tokens)
+        q = self.q_norm(qg.reshape(qg.shape[:-1] + (2, d)))[..., 0, :]
+        q = apply_partial_rope(q, positions, cfg)
+        k = apply_partial_rope(self.k_norm(k), positions, cfg)
+        if cfg.batch_invariant:
+            k = round_to(k, cfg.param_dtype)
+        return q, qg[..., d:], k, v
 
     def gated_output(
         self,
@@ -289,11 +375,14 @@ class GatedAttention(nnx.Module):
         gate=None,  # [B, T, heads, d]; None: recomputed from x
     ):  # -> [B, T, H]: x + o_proj(heads * sigmoid(gate))
         d = self.config.head_dim
+        inv = self.config.batch_invariant
         if gate is None:
-            gate = jnp.einsum("btf,fnd->btnd", self.input_layernorm(x), self.q_proj[...][..., d:])
+            h, w = self.input_layernorm(x), self.q_proj[...][..., d:]
+            gate = invariant_dot(h, w) if inv else jnp.einsum("btf,fnd->btnd", h, w)
         heads = heads * jax.nn.sigmoid(gate)
         b, t, n, _ = heads.shape
-        return x + jnp.dot(heads.reshape(b, t, n * d), self.o_proj[...].reshape(n * d, -1))
+        return x + (invariant_dot if inv else jnp.dot)(heads.reshape(b, t, n * d),
+                                                       self.o_proj[...].reshape(n * d, -1))
 
 
 class FeedForward(nnx.Module):
@@ -301,8 +390,11 @@ class FeedForward(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, sparse: bool, rngs: nnx.Rngs):
         dtype, h = config.param_dtype, config.hidden_size
-        self.post_attention_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, dtype=dtype)
-        self.mlp = None if sparse else MLP(h, config.intermediate_size, dtype=dtype, rngs=rngs)
+        inv = config.batch_invariant
+        self.post_attention_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, dtype=dtype,
+                                                        invariant=inv)
+        self.mlp = None if sparse else MLP(h, config.intermediate_size, dtype=dtype, rngs=rngs,
+                                           invariant=inv)
         self.moe = MoE(config, rngs=rngs) if sparse else None
 
     def __call__(self, x):  # [B, T, H] -> [B, T, H]
@@ -342,7 +434,8 @@ class HybridTransformer(nnx.Module):
                              sizes["mlps"], rngs)
         self.moes = _stacked(lambda r: FeedForward(config, sparse=True, rngs=r),
                              sizes["moes"], rngs)
-        self.norm = CenteredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = CenteredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
+                                    invariant=config.batch_invariant)
         self.lm_head = None if config.tie_embeddings else logical_param(
             rngs, (config.hidden_size, config.vocab_size), dtype, ("embed", "vocab"))
 
@@ -361,6 +454,8 @@ class HybridTransformer(nnx.Module):
         #     DeltaSteps or None); defer: see GatedDeltaNet
         cfg = self.config
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        if cfg.batch_invariant:  # float32 activations (see jaxspec.kernels.invariant)
+            x = x.astype(jnp.float32)
         valid, mask = new_token_mask(positions, mask)
         order = jnp.argsort(~valid, axis=1, stable=True).astype(jnp.int32)
         counts = jnp.sum(valid, axis=1, dtype=jnp.int32)
@@ -378,26 +473,37 @@ class HybridTransformer(nnx.Module):
         # of the stacked KV cache unsliced (a slice or a stack of per-layer results is a
         # copy of the whole state or cache layer in XLA).
         conv_all, state_all = cache.conv, cache.state
+        pending = cache.pending if cache.pending.g.shape[2] else None  # (a buffer of 0: none)
+        fresh = pending  # this verify's tokens, written layer by layer
         k_stack, v_stack = cache.kv.k, cache.kv.v
-        keys, values, steps, captured = [], [], [], {}
+        keys, values, captured = [], [], {}
         for i, (mixer, m, ffn, f) in enumerate(layer_plan(cfg)):
             if mixer == "linear_layers":
                 # read and written at a traced index: XLA then updates the stacked state in
                 # place from its own slice (at a constant one it copies the slice first)
                 at = jax.lax.optimization_barrier(jnp.asarray(m, jnp.int32))
-                kernel = k_stack.shape[2] > 0 and stacked_rule(  # decoding (a cache), no grads
-                    tokens.shape[1], state_all, defer or recurrent)
-                x, conv, state, step = layer(mixer, m)(
+                kernel = (k_stack.shape[2] > 0 and not cfg.batch_invariant  # decoding (a
+                          # cache), no grads; the invariant rule runs in XLA everywhere
+                          and stacked_rule(tokens.shape[1], state_all, defer or recurrent))
+                x, conv, state, new = layer(mixer, m)(
                     x, order, counts, jax.lax.dynamic_index_in_dim(conv_all, at, keepdims=False),
                     CacheLayer(state_all, at) if kernel else
-                    jax.lax.dynamic_index_in_dim(state_all, at, keepdims=False), defer, recurrent)
-                if kernel:  # the kernel wrote the stack in place (or left it, deferred)
+                    jax.lax.dynamic_index_in_dim(state_all, at, keepdims=False),
+                    # (the buffer as the earlier layers wrote it: theirs changed, not this
+                    # layer's; reading the unwritten one would keep a copy of it alive)
+                    None if pending is None else (fresh, at), defer, recurrent)
+                # the states after the pending tokens (deferred) or after every token
+                conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, conv, at, 0)
+                if kernel:  # the kernel wrote the stack in place
                     state_all = state
-                if not defer:
-                    conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, conv, at, 0)
-                    if not kernel:
-                        state_all = jax.lax.dynamic_update_index_in_dim(state_all, state, at, 0)
-                steps.append(step)
+                else:
+                    state_all = jax.lax.dynamic_update_index_in_dim(state_all, state, at, 0)
+                if defer:  # into the pending buffer in place, after the layer read its own
+                    # (the barrier orders the write after the reads: else XLA copies the
+                    # buffer for them, 50-100 MB per layer at Qwen3.5-9B, batch 64)
+                    conv_all, state_all, fresh = jax.lax.optimization_barrier(
+                        (conv_all, state_all, fresh))
+                    fresh = fresh.written(at, new)
             elif k_stack.shape[2]:  # slots to attend to
                 index = jnp.asarray(m, jnp.int32)
                 x, k, v, k_stack, v_stack = layer(mixer, m)(
@@ -419,13 +525,16 @@ class HybridTransformer(nnx.Module):
         if keys and kv.max_len:  # (a stateless forward's cache holds no slots)
             kv = kv.write(jnp.stack(keys), jnp.stack(values), valid)
         kv = kv.advance(valid)
-        cache = HybridCache(kv=kv, conv=conv_all, state=state_all)
-        if defer and steps:
-            steps = jax.tree.map(lambda *a: jnp.stack(a), *steps)
-        return x, captured, cache, steps if defer else None
+        if pending is not None:  # applied: none pending until a commit says how many
+            fresh = dataclasses.replace(fresh, count=jnp.zeros_like(pending.count))
+        cache = HybridCache(kv=kv, conv=conv_all, state=state_all,
+                            pending=cache.pending if pending is None else fresh)
+        return x, captured, cache, DeltaSteps(tokens.shape[1]) if defer else None
 
     def logits(self, h):  # [B, T, H] final-normed -> [B, T, V] float32 (the LM head, or tied)
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        if self.config.batch_invariant:
+            return invariant_dot(h, w, jnp.float32)
         return jnp.einsum("bth,hv->btv", h, w, preferred_element_type=jnp.float32)
 
 
@@ -441,6 +550,10 @@ class HybridCache:
     kv: KVCache  # [L_full, batch, max_len, kv_heads, head_dim] and lengths [batch]
     conv: jax.Array  # [L_linear, batch, conv_dim, K-1] (param dtype): last K-1 conv inputs
     state: jax.Array  # [L_linear, batch, Hv, dk, dv] float32: the delta rule's state
+    # per row, the accepted tokens of its last verify, not yet in conv and state (the row's
+    # next forward applies them: docs/design.md, "Hybrid policies"); a buffer of P tokens
+    # (P = 0: no verify defers into this cache)
+    pending: PendingSteps
 
     @property
     def batch(self) -> int:
@@ -459,10 +572,13 @@ class HybridCache:
         return self.kv.overflowed
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, max_len: int) -> HybridCache:
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int,
+              pending: int = 0) -> HybridCache:
+        """Empty rows; `pending`: the most tokens a verify forward into it feeds (k + 1)."""
         sizes = _stack_sizes(config)
-        if batch < 1 or max_len < 0:
-            raise ValueError(f"HybridCache sizes: batch={batch} (>= 1), max_len={max_len} (>= 0)")
+        if batch < 1 or max_len < 0 or pending < 0:
+            raise ValueError(f"HybridCache sizes: batch={batch} (>= 1), max_len={max_len} "
+                             f"(>= 0), pending={pending} (>= 0)")
         full = sizes["full_layers"]
         shape = (full, batch, max_len, config.num_kv_heads, config.head_dim)
         kv = KVCache(k=jnp.zeros(shape, config.param_dtype),
@@ -477,7 +593,61 @@ class HybridCache:
             conv=jnp.zeros((linear, batch, conv_dim, config.linear_conv_kernel_dim - 1),
                            config.param_dtype),
             state=jnp.zeros((linear, batch, hv, dk, dv), jnp.float32),
+            pending=PendingSteps(
+                q=jnp.zeros((linear, batch, pending, hk, dk), jnp.float32),
+                k=jnp.zeros((linear, batch, pending, hk, dk), jnp.float32),
+                v=jnp.zeros((linear, batch, pending, hv, dv), jnp.float32),
+                g=jnp.zeros((linear, batch, pending, hv), jnp.float32),
+                beta=jnp.zeros((linear, batch, pending, hv), jnp.float32),
+                x=jnp.zeros((linear, batch, pending, conv_dim), config.param_dtype),
+                count=jnp.zeros((batch,), jnp.int32)),
         )
+
+    @jax.jit
+    def settled(self) -> HybridCache:
+        """This cache with the pending tokens applied to the convolution and delta-rule
+        states (the recurrent rule in XLA) and none left pending: the states plain decoding
+        of the same tokens holds."""
+        p = self.pending
+        if not p.g.shape[2]:
+            return self
+        conv, state = [], []
+        for i in range(p.g.shape[0]):
+            mine = tuple(a[i] for a in p.inputs())
+            conv.append(_conv_after(self.conv[i], mine[5], p.count))
+            state.append(delta_rule_recurrent(*_kept_steps(mine[:5], p.count), self.state[i])[1])
+        return dataclasses.replace(self, conv=jnp.stack(conv), state=jnp.stack(state),
+                                   pending=dataclasses.replace(p, count=jnp.zeros_like(p.count)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingSteps:
+    """Per linear layer and row, the delta rule's and the convolution's inputs of the tokens
+    a verify fed (the first `count` kept, by `DeltaSteps.commit`), in a buffer of P tokens."""
+
+    q: jax.Array  # [L_linear, B, P, Hk, dk] float32, L2-normed and scaled
+    k: jax.Array  # [L_linear, B, P, Hk, dk] float32, L2-normed
+    v: jax.Array  # [L_linear, B, P, Hv, dv] float32
+    g: jax.Array  # [L_linear, B, P, Hv] float32 log decay
+    beta: jax.Array  # [L_linear, B, P, Hv] float32
+    x: jax.Array  # [L_linear, B, P, conv_dim] (param dtype): the convolution's inputs
+    count: jax.Array  # [B] int32: tokens kept per row (0: none pending)
+
+    def inputs(self) -> tuple:  # -> (q, k, v, g, beta, x)
+        return self.q, self.k, self.v, self.g, self.beta, self.x
+
+    def written(
+        self,
+        layer,  # [] int32
+        new: tuple,  # (q [B, T, Hk, dk], k, v [B, T, Hv, dv], g [B, T, Hv], beta, x [B, T, C])
+    ) -> PendingSteps:
+        """These with `layer`'s first T tokens replaced by `new` (in place; the later ones,
+        stale, are never kept: a commit keeps at most T)."""
+        out = [jax.lax.dynamic_update_slice(a, n[None].astype(a.dtype),
+                                            (layer,) + (0,) * (a.ndim - 1))
+               for a, n in zip(self.inputs(), new)]
+        return PendingSteps(*out, count=self.count)
 
 
 # --------------------------------------------------------------------------- policy
@@ -486,54 +656,24 @@ class HybridCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DeltaSteps:
-    """A verify's per-token inputs of every linear layer's rule and convolution (a forward
-    with defer_state=True), from which `commit` sets the states after the accepted prefix."""
+    """What a verify forward (`forward(defer_state=True)`) over `tokens` fed tokens left
+    pending in the cache: `commit` says how many of them each row keeps."""
 
-    q: jax.Array  # [L_linear, B, T, Hk, dk] float32, L2-normed and scaled
-    k: jax.Array  # [L_linear, B, T, Hk, dk] float32, L2-normed
-    v: jax.Array  # [L_linear, B, T, Hv, dv]
-    g: jax.Array  # [L_linear, B, T, Hv] float32 (0 at padding)
-    beta: jax.Array  # [L_linear, B, T, Hv] float32 (0 at padding)
-    window: jax.Array  # [L_linear, B, conv_dim, K-1+T]: the conv state, then the T inputs
+    tokens: int = dataclasses.field(metadata=dict(static=True))
 
-    @jax.jit
     def commit(
         self,
         cache: HybridCache,
         accepted,  # [B] int32: the fed tokens (real ones, in order) whose updates are kept
     ) -> HybridCache:
-        """The cache with each linear layer's states after the row's first `accepted` fed
-        tokens: the rule re-applied from the committed state with the later tokens' updates
-        made the identity (decay exp(0) = 1, rate 0: bit for bit no change), the convolution
-        state cut from the window. Costs one more read and write of the states, not one
-        state per drafted position (docs/design.md, "Hybrid policies"). The KV cache and the
+        """The cache with each row's first `accepted` fed tokens pending: the row's next
+        forward applies their updates to the committed states as it reads them (the later
+        tokens' are skipped), then runs its own; nothing is recomputed here (docs/design.md,
+        "Hybrid policies"). `HybridCache.settled` applies them at once. The KV cache and the
         lengths are left to `jaxspec.models.cache.compact`."""
-        t = self.g.shape[2]
-        keep = (jnp.arange(t)[None, :] < accepted[:, None])[..., None]  # [B, T, 1]
-
-        def one(state, q, k, v, g, beta):
-            return delta_rule_recurrent(q, k, v, jnp.where(keep, g, 0.0),
-                                        jnp.where(keep, beta, 0.0), state)[1]
-
-        state = cache.state
-        kernel = stacked_rule(t, state, True)
-        for i in range(self.g.shape[0]):  # in place, layer by layer (a stack is a copy), at
-            # a traced index (a constant one's slice is copied first; see HybridTransformer)
-            at = jax.lax.optimization_barrier(jnp.asarray(i, jnp.int32))
-            if kernel:  # the kernel reads and writes the layer's state in the stack
-                state = recurrent_stacked(self.q[i], self.k[i], self.v[i].astype(jnp.float32),
-                                          jnp.where(keep, self.g[i], 0.0),
-                                          jnp.where(keep, self.beta[i], 0.0), state, at,
-                                          write=True)[1]
-                continue
-            new = one(jax.lax.dynamic_index_in_dim(state, at, keepdims=False), self.q[i],
-                      self.k[i], self.v[i], self.g[i], self.beta[i])
-            state = jax.lax.dynamic_update_index_in_dim(state, new, at, 0)
-        width = cache.conv.shape[-1]
-        at = accepted[:, None] + jnp.arange(width)[None, :]  # [B, K-1]
-        at = jnp.broadcast_to(at[None, :, None, :], self.window.shape[:-1] + (width,))
-        conv = jnp.take_along_axis(self.window, at, axis=-1)
-        return dataclasses.replace(cache, conv=conv, state=state)
+        accepted = jnp.clip(jnp.asarray(accepted, jnp.int32), 0, self.tokens)
+        return dataclasses.replace(cache, pending=dataclasses.replace(cache.pending,
+                                                                      count=accepted))
 
 
 @functools.partial(jax.jit, static_argnames=("capture", "head", "stateless", "defer"))
@@ -562,11 +702,17 @@ class HybridPolicy:
     # "recurrent" (a scan over the tokens; the trainer's choice on CPU, where it ran the
     # GRPO gradient 5x faster at the configs/hybrid.yaml shape). One token: recurrent always.
     delta_rule: str = dataclasses.field(default="chunked", metadata=dict(static=True))
+    # the most tokens a verify forward defers (k + 1 of the deepest chain): the size of
+    # init_cache's pending buffer (HybridCache.pending); 0: no verify (plain decoding)
+    pending_tokens: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.delta_rule not in ("chunked", "recurrent"):
             raise ValueError(f"HybridPolicy.delta_rule={self.delta_rule!r}; valid: 'chunked', "
                              "'recurrent'")
+        if not isinstance(self.pending_tokens, int) or self.pending_tokens < 0:
+            raise ValueError(f"HybridPolicy.pending_tokens={self.pending_tokens!r}; valid: an "
+                             "int >= 0 (k + 1 of the deepest verified chain)")
 
     def unstack_layers(self) -> HybridPolicy:
         """This policy with per-layer copies of its stacked weights, which `forward` reads
@@ -615,11 +761,24 @@ class HybridPolicy:
     def replace(self, **changes) -> HybridPolicy:
         return dataclasses.replace(self, **changes)
 
+    def with_config(self, **changes) -> HybridPolicy:
+        """The same params (and per-layer copies) under a changed config, e.g.
+        with_config(batch_invariant=True): the graphdef is rebuilt (modules read their settings
+        from it); a change of the parameters' shapes or dtypes is an error (astype: dtype)."""
+        new = HybridPolicy.abstract(self.config.replace(**changes))
+        shapes = lambda p: [(tuple(x.shape), jnp.dtype(x.dtype)) for x in jax.tree.leaves(p)]  # noqa: E731
+        if (jax.tree.structure(new.params) != jax.tree.structure(self.params)
+                or shapes(new.params) != shapes(self.params)):
+            raise ValueError(f"with_config({changes}) changes the parameters; valid: changes "
+                             "that keep every parameter's shape and dtype")
+        return dataclasses.replace(self, config=new.config, graphdef=new.graphdef)
+
     def astype(self, dtype: str) -> HybridPolicy:
         """The params cast to "float32" or "bfloat16" (config.dtype follows)."""
         new = HybridPolicy.abstract(self.config.replace(dtype=dtype))
         return new.replace(params=jax.tree.map(lambda x: x.astype(new.config.param_dtype),
-                                               self.params), delta_rule=self.delta_rule)
+                                               self.params), delta_rule=self.delta_rule,
+                           pending_tokens=self.pending_tokens)
 
     @property
     def num_params(self) -> int:
@@ -634,7 +793,7 @@ class HybridPolicy:
         return nnx.merge(self.graphdef, self.params)
 
     def init_cache(self, batch: int, max_len: int) -> HybridCache:
-        return HybridCache.zeros(self.config, batch, max_len)
+        return HybridCache.zeros(self.config, batch, max_len, self.pending_tokens)
 
     def embed(self, tokens):  # [B, T] int32 -> [B, T, H]
         return jnp.take(self.params["embed_tokens"][...], tokens, axis=0)
@@ -656,10 +815,13 @@ class HybridPolicy:
         one token the recurrent one. With cache=None the states start at zero and None is
         returned.
 
-        defer_state=True (a speculative verify) runs the recurrent rule, writes the KV
-        cache and lengths as usual but leaves the linear layers' states as they were, and
-        appends `DeltaSteps`: once the accepted count is known, `steps.commit(cache,
-        accepted)` sets the states after exactly that prefix (`compact` trims the KV).
+        A cache's pending tokens (the accepted ones of the row's last verify) are applied to
+        the linear layers' states first. defer_state=True (a speculative verify) runs the
+        recurrent rule, writes the KV cache and lengths as usual, writes the states after
+        the pending tokens only and keeps its own tokens' rule inputs pending (the cache's
+        buffer must hold them: `pending_tokens`), and appends `DeltaSteps`: once the accepted
+        count is known, `steps.commit(cache, accepted)` keeps exactly that prefix pending
+        (`compact` trims the KV); the row's next forward applies it.
 
         shard_rows=True (the training steps; cache=None only) pins the tokens and the output
         to the batch sharding (`parallel.constrain_rows`) at the forward's ends, not at every
@@ -684,6 +846,11 @@ class HybridPolicy:
         stateless = cache is None
         if defer_state and stateless:
             raise ValueError("forward(defer_state=True) needs a cache to defer its states in")
+        if defer_state and cache.pending.g.shape[2] < t:
+            raise ValueError(
+                f"forward(defer_state=True) over {t} tokens needs a cache whose pending buffer "
+                f"holds >= {t} tokens; it holds {cache.pending.g.shape[2]} (init_cache of "
+                f"policy.replace(pending_tokens={t}))")
         if stateless:
             cache = HybridCache.zeros(cfg, b, 0)
         elif cache.batch != b:

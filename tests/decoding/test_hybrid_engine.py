@@ -5,9 +5,9 @@ forward's log-probs) on the same weights for plain decoding; plain decoding toke
 for every chain drafter under replay (with stops, refilled slots, cache growth, adaptive k,
 float32 and bfloat16); plain decoding's recurrent states for the commit after a verify; and
 the policy's joint law (float64, full forwards) for rejection sampling, with a negative
-control that keeps the states after the whole draft and must fail. The family has no
-batch-invariant forward (ModelConfig refuses batch_invariant for it), so bit-equality across
-batch compositions is not claimed here.
+control that keeps the states after the whole draft and must fail. These run the default
+forward (equal within rounding); the batch-invariant forward's bit-equalities across batch
+compositions and forwards are tests/decoding/test_hybrid_invariant.py's.
 """
 
 import dataclasses
@@ -124,8 +124,9 @@ def test_plain_generate_equals_transformers(policy, setup, tmp_path):
 
 
 def test_commit_keeps_the_states_plain_decoding_holds(policy):
-    """A verify of 4 tokens with deferred states, committed after a different count per row,
-    holds the convolution and delta-rule states of one-token decode steps over those tokens:
+    """A verify of 4 tokens with deferred states, committed after a different count per row
+    (kept pending, then applied: `settled`, as the row's next forward does), holds the
+    convolution and delta-rule states of one-token decode steps over those tokens:
     within 1e-6 in the first layer (its inputs are the embeddings either way; XLA may fuse
     the rule's steps differently), 1e-5 in the later ones (a 4-token forward rounds their
     inputs differently), and far from the states after any other count; the verify's logits
@@ -133,6 +134,7 @@ def test_commit_keeps_the_states_plain_decoding_holds(policy):
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 128, (3, 5))
     fed = rng.integers(0, 128, (3, 4))
+    policy = policy.replace(pending_tokens=4)
     cache = policy.init_cache(3, 16)
     _, _, cache = policy.forward(prompt, np.broadcast_to(np.arange(5), (3, 5)), cache)
     steps_cache, decoded, logits = cache, [cache], []
@@ -144,7 +146,7 @@ def test_commit_keeps_the_states_plain_decoding_holds(policy):
                                                cache, defer_state=True)
     np.testing.assert_allclose(np.asarray(verified), np.stack(logits, 1), atol=1e-5, rtol=1e-5)
     for accepted in ([0, 2, 4], [1, 3, 1], [4, 0, 2]):
-        committed = steps.commit(after, jnp.asarray(accepted, jnp.int32))
+        committed = steps.commit(after, jnp.asarray(accepted, jnp.int32)).settled()
         for row, a in enumerate(accepted):
             for name in ("conv", "state"):
                 got = np.asarray(getattr(committed, name)[:, row])

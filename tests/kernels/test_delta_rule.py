@@ -39,7 +39,7 @@ def _inputs(t, seed=0, b=2, hk=2, hv=4, dk=16, dv=64, layers=3):
 def test_kernel_equals_the_recurrent_rule_and_touches_only_its_layer(t):
     q, k, v, g, beta, stack = _inputs(t, seed=t)
     want_out, want_state = delta_rule_recurrent(q, k, v, g, beta, stack[1])
-    out, new = delta_rule.recurrent_stacked(q, k, v, g, beta, stack, jnp.int32(1), write=True,
+    out, new = delta_rule.recurrent_stacked(q, k, v, g, beta, stack, jnp.int32(1), write="all",
                                             interpret=True)
     scale = float(jnp.abs(want_state).max())
     assert float(jnp.abs(out - want_out).max()) <= 1e-6 * float(jnp.abs(want_out).max())
@@ -48,7 +48,7 @@ def test_kernel_equals_the_recurrent_rule_and_touches_only_its_layer(t):
     for i in (0, 2):
         np.testing.assert_array_equal(np.asarray(new[i]), np.asarray(stack[i]))
     out2, kept = delta_rule.recurrent_stacked(q, k, v, g, beta, stack, jnp.int32(1),
-                                              write=False, interpret=True)
+                                              write=None, interpret=True)
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(stack))
     np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
 
@@ -57,14 +57,69 @@ def test_identity_steps_leave_the_state_bit_for_bit():
     """g = 0, beta = 0 (the padding steps, and the commit's rejected tokens) change nothing."""
     q, k, v, g, beta, stack = _inputs(4, seed=9)
     _, new = delta_rule.recurrent_stacked(q, k, v, jnp.zeros_like(g), jnp.zeros_like(beta),
-                                          stack, jnp.int32(0), write=True, interpret=True)
+                                          stack, jnp.int32(0), write="all", interpret=True)
     np.testing.assert_array_equal(np.asarray(new), np.asarray(stack))
+
+
+def _pending(p, layers=3, seed=6):  # the pending tokens' stacks [L, B, P, ..], as a cache holds
+    q, k, v, g, beta, _ = _inputs(p, seed=seed)
+    return tuple(jnp.stack([a * (1.0 + 0.25 * i) if a is v else a for i in range(layers)])
+                 for a in (q, k, v, g, beta))
+
+
+def _unfolded(q, k, v, g, beta, stack, layer, count, pending, write, **kw):
+    """The fold's reference: the kept pending tokens as their own pass (the rejected ones
+    identity steps: g = 0, beta = 0), then the new tokens: the commit-then-verify arithmetic."""
+    keep = (jnp.arange(pending[3].shape[2])[None, :] < count[:, None])[..., None]
+    pq, pk, pv, pg, pb = (a[layer] for a in pending)
+    mid = delta_rule.recurrent_stacked(pq, pk, pv, jnp.where(keep, pg, 0.0),
+                                       jnp.where(keep, pb, 0.0), stack, layer, write="all", **kw)[1]
+    out, end = delta_rule.recurrent_stacked(q, k, v, g, beta, mid, layer, write="all", **kw)
+    return out, end if write == "all" else mid
+
+
+@pytest.mark.parametrize("write", ["all", "pending"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_pending_then_new_in_one_pass_equals_the_passes_apart(t, write):
+    """The fold of the commit into the next step: one call applies each row's kept pending
+    tokens (count[b] of P = 4) then runs the T new ones, reading the state once. Against
+    the pending tokens' own pass followed by the new tokens' (what a commit, then a decode
+    or verify, computes) and against the XLA rule (gated_deltanet.delta_rule_recurrent over
+    the kept tokens then the new ones) within float32 rounding: interpreted on this CPU,
+    XLA contracts the multiply-adds of each program its own way (even a row with nothing
+    pending moves by an ulp between the two programs), so bit equality is asserted where it
+    is structural (a row with nothing pending keeps its state under write="pending"; other
+    layers untouched) and, compiled with Triton, in the gpu-marked test below. Written: the
+    state after all tokens, or after the pending ones only (a verify)."""
+    q, k, v, g, beta, stack = _inputs(t, seed=t + 10)
+    pending = _pending(4)
+    count = jnp.asarray([3, 0], jnp.int32)  # row 0 keeps 3 of 4, row 1 nothing
+    layer = jnp.int32(1)
+    out, new = delta_rule.recurrent_stacked(q, k, v, g, beta, stack, layer, (count,) + pending,
+                                            write=write, interpret=True)
+    want_out, want = _unfolded(q, k, v, g, beta, stack, layer, count, pending, write,
+                               interpret=True)
+    scale = float(jnp.abs(want[1]).max())
+    out_scale = float(jnp.abs(want_out).max())
+    assert float(jnp.abs(out - want_out).max()) <= 1e-6 * out_scale
+    assert float(jnp.abs(new[1] - want[1]).max()) <= 1e-6 * scale
+    for i in (0, 2):
+        np.testing.assert_array_equal(np.asarray(new[i]), np.asarray(stack[i]))
+    kept = [jnp.concatenate([a[1][0:1, :3], b[0:1]], axis=1) for a, b in
+            zip(pending, (q, k, v, g, beta))]  # row 0: its 3 kept tokens, then the new ones
+    ref_out, ref_state = delta_rule_recurrent(*kept, stack[1, 0:1])
+    assert float(jnp.abs(out[0] - ref_out[0, 3:]).max()) <= 1e-6 * out_scale
+    if write == "all":
+        assert float(jnp.abs(new[1, 0] - ref_state[0]).max()) <= 1e-6 * scale
+    else:  # row 1 kept nothing: its state as it was, bit for bit; row 0's moved
+        np.testing.assert_array_equal(np.asarray(new[1, 1]), np.asarray(stack[1, 1]))
+        assert float(jnp.abs(new[1, 0] - stack[1, 0]).max()) > 1e-2 * scale
 
 
 def test_bad_shapes_are_one_error():
     q, k, v, g, beta, stack = _inputs(2)
     with pytest.raises(ValueError, match="block_v 48"):
-        delta_rule.recurrent_stacked(q, k, v, g, beta, stack, jnp.int32(0), write=True,
+        delta_rule.recurrent_stacked(q, k, v, g, beta, stack, jnp.int32(0), write="all",
                                      block_v=48, interpret=True)
 
 
@@ -105,6 +160,30 @@ def test_engine_through_the_kernel_equals_plain_and_the_xla_path(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_on_a_gpu_pending_then_new_in_one_pass_is_the_decode_steps_arithmetic():
+    """Compiled with Triton (skipped without a GPU): a decode step that first applies a
+    verify's kept tokens (pending, count per row) leaves the state and gives the output of
+    one-token calls over those tokens and then the new one, bit for bit: plain decoding's
+    arithmetic, which the engine's replay exactness needs on a GPU."""
+    q, k, v, g, beta, stack = _inputs(1, seed=4, dv=128)
+    pq, pk, pv, pg, pb, _ = _inputs(4, seed=5, dv=128)
+    pending = tuple(jnp.stack([a] * 3) for a in (pq, pk, pv, pg, pb))
+    count = jnp.asarray([4, 2], jnp.int32)
+    out, once = delta_rule.recurrent_stacked(q, k, v, g, beta, stack, jnp.int32(2),
+                                             (count,) + pending, write="all")
+    for row, n in enumerate((4, 2)):
+        steps = stack[:, row:row + 1]
+        for t in range(n):
+            steps = delta_rule.recurrent_stacked(
+                *(a[row:row + 1, t:t + 1] for a in (pq, pk, pv, pg, pb)), steps, jnp.int32(2),
+                write="all")[1]
+        o, steps = delta_rule.recurrent_stacked(*(a[row:row + 1] for a in (q, k, v, g, beta)),
+                                                steps, jnp.int32(2), write="all")
+        np.testing.assert_array_equal(np.asarray(steps[2, 0]), np.asarray(once[2, row]))
+        np.testing.assert_array_equal(np.asarray(o[0]), np.asarray(out[row]))
+
+
+@pytest.mark.gpu
 def test_on_a_gpu_a_verify_and_its_commit_do_a_decode_steps_arithmetic():
     """Compiled with Triton (skipped without a GPU: JAXSPEC_TEST_PLATFORMS=cuda): the kernel
     within float32 rounding of the rule, and four one-token calls (decode steps) leave the
@@ -112,12 +191,12 @@ def test_on_a_gpu_a_verify_and_its_commit_do_a_decode_steps_arithmetic():
     outputs: the exactness the engine's replay needs on a GPU."""
     q, k, v, g, beta, stack = _inputs(4, seed=3, dv=128)
     want_out, want_state = delta_rule_recurrent(q, k, v, g, beta, stack[2])
-    out, once = delta_rule.recurrent_stacked(q, k, v, g, beta, stack, jnp.int32(2), write=True)
+    out, once = delta_rule.recurrent_stacked(q, k, v, g, beta, stack, jnp.int32(2), write="all")
     assert float(jnp.abs(once[2] - want_state).max()) <= 1e-5 * float(jnp.abs(want_state).max())
     steps, outs = stack, []
     for t in range(4):
         o, steps = delta_rule.recurrent_stacked(*(a[:, t:t + 1] for a in (q, k, v, g, beta)),
-                                                steps, jnp.int32(2), write=True)
+                                                steps, jnp.int32(2), write="all")
         outs.append(o)
     np.testing.assert_array_equal(np.asarray(steps), np.asarray(once))
     np.testing.assert_array_equal(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(out))

@@ -143,8 +143,9 @@ def test_logits_equal_transformers(tmp_path, family, layer_types, extra):
         want = _hf_logits(model, tokens)
         exact = _exact_logits(model, tokens)
         got = np.asarray(policy.forward(tokens, positions)[0])
-        recurrent = np.asarray(policy.forward(tokens, positions, policy.init_cache(2, t),
-                                              defer_state=True)[0])  # our recurrent rule
+        deferring = policy.replace(pending_tokens=t)  # a verify's forward: the recurrent rule
+        recurrent = np.asarray(deferring.forward(tokens, positions, deferring.init_cache(2, t),
+                                                 defer_state=True)[0])
         assert np.abs(want).max() > 1.0  # logits of order 1: the tolerance means something
         rounding = max(np.abs(want - exact).max(),
                        np.abs(_hf_recurrent_logits(model, tokens) - exact).max())
@@ -417,6 +418,7 @@ def _speculative_greedy(policy, prompt, n_new, k, keep_whole_draft=False):
 
     plain = _greedy(policy, prompt, n_new + k + 1)
     b, p = prompt.shape
+    policy = policy.replace(pending_tokens=k + 1)  # the cache keeps a verify's tokens pending
     cache = policy.init_cache(b, p + n_new + k + 2)
     _, _, cache = policy.forward(prompt[:, :-1], np.broadcast_to(np.arange(p - 1), (b, p - 1)),
                                  cache)
@@ -529,7 +531,7 @@ def test_training_gradient_equals_the_recurrent_forms():
     positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
 
     def loss(params, recurrent):
-        p = policy.replace(params=params)
+        p = policy.replace(params=params, pending_tokens=9)
         if recurrent:
             logits = p.forward(tokens[:, :-1], positions, p.init_cache(2, 9), defer_state=True)[0]
         else:
