@@ -1,7 +1,9 @@
-"""The gated delta rule over a few tokens (a decode step, a verify, its commit) as one Pallas
-kernel that reads a layer's recurrent state from the stacked [layers, B, Hv, dk, dv] states
-in place once, keeps it on chip across the tokens, and (if asked) writes the new state back
-into the stack in place: the state is a decode step's largest operand (134 MB per layer at a
+"""The gated delta rule over a few tokens (a decode step, a verify) as one Pallas kernel that
+reads a layer's recurrent state from the stacked [layers, B, Hv, dk, dv] states in place
+once, applies the row's pending tokens (the accepted ones of its last verify, kept in the
+cache: jaxspec.models.hybrid.HybridCache.pending) and then the new ones on chip, and writes
+the state back into the stack in place (after all tokens, or after the pending ones for a
+verify): the state is a decode step's largest operand (134 MB per layer at a
 9B Qwen3.5 shape and batch 64), and XLA's fusions pass over it three times per token and
 copy its slice out of the stack first (docs/results/hybrid_programs.json).
 
@@ -26,20 +28,21 @@ __all__ = ["BLOCK_V", "MAX_TOKENS", "recurrent_stacked", "stacked_rule"]
 
 BLOCK_V = 32  # value columns per program; untimed on a GPU
 NUM_WARPS, NUM_STAGES = 4, 1
-MAX_TOKENS = 16  # the forwards it serves: a decode step, a verify of k + 1 <= 16, its commit
+MAX_TOKENS = 16  # the forwards it serves: a decode step, a verify of k + 1 <= 16
 
 
 def stacked_rule(
     tokens: int,
     stack,  # [L, B, Hv, dk, dv] the layers' states (the forward's cache)
-    recurrent: bool,  # the forward runs the recurrent form (a verify, its commit)
+    recurrent: bool,  # the forward runs the recurrent form (a verify)
 ) -> bool:
     """Whether a forward of `tokens` tokens runs the rule through `recurrent_stacked`: a
     forward built for a GPU (kernels.platform) on at most one device (XLA cannot partition
     the kernel's custom call), with a cache (batch > 0) whose value width BLOCK_V divides,
     running the recurrent form (one token, or `recurrent`) over at most MAX_TOKENS tokens.
-    Every recurrent use on such a GPU goes through it (decode, verify, commit), so a decode
-    step and a verify of the same tokens do the same arithmetic."""
+    Every recurrent use on such a GPU goes through it (decode, verify, the pending tokens
+    either applies first), so a decode step and a verify of the same tokens do the same
+    arithmetic."""
     from jaxspec.kernels.platform import platform
 
     mesh = jax.sharding.get_abstract_mesh()

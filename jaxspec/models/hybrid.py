@@ -19,10 +19,12 @@ on a leading axis over the layers of that kind) and the forward runs them unroll
 `layer_types` order: the stack is not one scan of identical layers.
 
 The cache (`HybridCache`) holds the full-attention layers' keys and values and the row
-lengths (a `KVCache`), and per linear layer and row the convolution's last K-1 inputs and
-the delta rule's state. A linear layer reads a row's real tokens in order (padding, marked
-by positions < 0, never enters a state), so the forward takes no tree mask: a tree of drafts
-needs one state per node (issue 51).
+lengths (a `KVCache`), and per linear layer and row the convolution's last K-1 inputs, the
+delta rule's state, and the tokens of the row's last verify not yet applied to them
+(`PendingSteps`: a verify's accepted tokens, which the row's next forward applies first).
+A linear layer reads a row's real tokens in order (padding, marked by positions < 0, never
+enters a state), so the forward takes no tree mask: a tree of drafts needs one state per
+node (issue 51).
 """
 
 from __future__ import annotations

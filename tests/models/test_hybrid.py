@@ -408,6 +408,18 @@ def test_policy_refuses_a_hybrid_config():
             build(ModelConfig.tiny("qwen3_5"))
 
 
+def test_a_verify_needs_a_pending_buffer_of_its_tokens():
+    """A deferred-state forward keeps its tokens pending in the cache: a cache whose buffer
+    holds fewer is one error naming both counts; a negative buffer size is refused."""
+    policy = random_hybrid_policy(ModelConfig.tiny("qwen3_5"), seed=0)
+    short = policy.replace(pending_tokens=3)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="over 4 tokens.*holds >= 4 tokens; it holds 3"):
+        short.forward(tokens, jnp.arange(4)[None], short.init_cache(1, 8), defer_state=True)
+    with pytest.raises(ValueError, match="pending_tokens=-1"):
+        policy.replace(pending_tokens=-1)
+
+
 def _speculative_greedy(policy, prompt, n_new, k, keep_whole_draft=False):
     """Greedy speculative decoding at the model level: draft k tokens (the plain greedy
     continuation, every third draft token corrupted, so some drafts are rejected), verify
