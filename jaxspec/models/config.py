@@ -62,7 +62,8 @@ class ModelConfig:
     family: str = "qwen3"
     # Batch-invariant forward (jaxspec.kernels.invariant): a token's logits do not depend on
     # how many rows and tokens share the forward, so bf16 replay is bitwise; it replaces
-    # attention_backend and costs speed.
+    # attention_backend and costs speed. Every family (hybrids: the recurrent delta rule in
+    # every forward, jaxspec.models.gated_deltanet.delta_rule_invariant).
     batch_invariant: bool = False
     # How decoding runs the layers: one scan over the stacked weights, or unrolled over
     # per-layer copies made once per generate call (on CPU and GPU a scan copies each
@@ -204,9 +205,6 @@ class ModelConfig:
                 or int(self.head_dim * factor) % 2 or int(self.head_dim * factor) < 2):
             bad("partial_rotary_factor", factor, f"a number in (0, 1] whose share of head_dim="
                 f"{self.head_dim} is an even int >= 2")
-        if self.batch_invariant:
-            bad("batch_invariant", True, f"false for family {self.family!r} (the batch-"
-                "invariant forward covers the dense and MoE families only)", "is not supported")
         if self.rope_scaling is not None:
             bad("rope_scaling", self.rope_scaling, f"None for family {self.family!r}",
                 "is not supported")

@@ -140,8 +140,7 @@ def inspect_head(d, model_config: ModelConfig, dtype: str):
 def _check_hybrid(config: ModelConfig) -> None:
     """What a hybrid policy (jaxspec.models.hybrid) does not do in the trainer, refused by
     name: the fused decoder-layer kernels, and experts (the router losses and the routing
-    mismatch read a routing record its forward does not return). (ModelConfig refuses the
-    batch-invariant forward.)"""
+    mismatch read a routing record its forward does not return)."""
     if not config.is_hybrid:
         return
     family = config.family

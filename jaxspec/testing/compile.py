@@ -26,6 +26,7 @@ import jax
 
 AS_USERS = (
     "tests/decoding/test_batch_invariant.py",
+    "tests/decoding/test_hybrid_invariant.py",
     "tests/decoding/test_joint_law.py",
     "tests/kernels/test_batch_invariant_dot.py",
     "tests/models/test_layer_loop.py",
