@@ -183,8 +183,8 @@ def test_grpo_trainer_generation_logprobs_are_the_training_forwards_bitwise(tmp_
     """The GRPO trainer with a batch-invariant hybrid policy: the generator's log-probs equal
     the logprob stage's (a full-sequence forward of 16 rollouts) exactly at every step, and
     the compared step's speculative rollouts are the plain ones; without the mode the same
-    run's first step measures a mismatch (the chunked rule scores, the recurrent one
-    generates)."""
+    run's first step measures a mismatch (the scoring forward batches and shapes the rows
+    unlike the generator's forwards)."""
     from jaxspec.rl.trainer import GRPOTrainer
     from jaxspec.testing.rl import make_config, rows
 
