@@ -271,3 +271,8 @@ def test_the_shipped_hybrid_configs(tmp_path):
     tiny = load_config(ROOT / "configs" / "hybrid.yaml", [f"run.dir={tmp_path}"])
     plan = prepare_run(tiny, devices=jax.devices()[:1])
     assert plan.model_config.is_hybrid and tiny.run.compare_plain > 0
+    assert tiny.draft.kind == "history" and tiny.draft.history.chain
+    # the header's alternative: Qwen3.5's MTP head drafting
+    mtp = load_config(ROOT / "configs" / "hybrid.yaml", [f"run.dir={tmp_path}",
+                                                        "draft.kind=mtp", "draft.k=3"])
+    prepare_run(mtp, devices=jax.devices()[:1])
