@@ -171,9 +171,8 @@ def test_speculative_equals_plain_bitwise(dtype, name, monkeypatch):
 
 
 # test_hybrid_grpo's tiny Qwen3.5-layout policy in the trainer's config (configs/tiny.yaml)
-HYBRID = ["model.family=qwen3_5", "model.num_layers=4",
-          "model.layer_types=[linear_attention, linear_attention, linear_attention, "
-          "full_attention]", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+HYBRID = ["model.family=qwen3_5", "model.num_layers=2",
+          "model.layer_types=[linear_attention, full_attention]", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
           "model.linear_key_head_dim=16", "model.linear_value_head_dim=16",
           "model.linear_conv_kernel_dim=4", "model.partial_rotary_factor=0.25",
           "draft.kind=ngram", "draft.k=3", "warmup.steps=0"]
@@ -181,17 +180,16 @@ HYBRID = ["model.family=qwen3_5", "model.num_layers=4",
 
 def test_grpo_trainer_generation_logprobs_are_the_training_forwards_bitwise(tmp_path):
     """The GRPO trainer with a batch-invariant hybrid policy: the generator's log-probs equal
-    the logprob stage's (a full-sequence forward of 16 rollouts) exactly at every step, and
-    the compared step's speculative rollouts are the plain ones; without the mode the same
+    the logprob stage's (a full-sequence forward of 16 rollouts) exactly, and the step's speculative rollouts are the plain ones; without the mode the same
     run's first step measures a mismatch (the scoring forward batches and shapes the rows
     unlike the generator's forwards)."""
     from jaxspec.rl.trainer import GRPOTrainer
     from jaxspec.testing.rl import make_config, rows
 
     GRPOTrainer(make_config(tmp_path / "inv", *HYBRID, "model.batch_invariant=true",
-                            "run.steps=2")).run()
+                            "run.steps=1")).run()
     got = rows(tmp_path / "inv")
-    assert [r["grpo/logprob_mismatch_max"] for r in got] == [0.0, 0.0], got
+    assert [r["grpo/logprob_mismatch_max"] for r in got] == [0.0], got
     assert [r["replay_identical"] for r in got if "replay_identical" in r] == [True]
     GRPOTrainer(make_config(tmp_path / "default", *HYBRID, "run.steps=1")).run()
     assert rows(tmp_path / "default")[0]["grpo/logprob_mismatch_max"] > 0
