@@ -477,6 +477,13 @@ class HybridTransformer(nnx.Module):
         conv_all, state_all = cache.conv, cache.state
         pending = cache.pending if cache.pending.g.shape[2] else None  # (a buffer of 0: none)
         fresh = pending  # this verify's tokens, written layer by layer
+        # Where the kernel runs (one GPU) a commit leaves the kept tokens pending and the next
+        # forward applies them in its one pass over the state; elsewhere (CPU, a mesh, the
+        # batch-invariant rule) the commit applies them at once (`DeltaSteps.settle`), which
+        # XLA on CPU ran at 0.08 ms against 0.65 ms inside the next verify (4 pending tokens,
+        # configs/hybrid.yaml's shape), so no forward there reads pending tokens
+        fold = (pending is not None and not cfg.batch_invariant
+                and stacked_rule(1, state_all, True))
         k_stack, v_stack = cache.kv.k, cache.kv.v
         keys, values, captured = [], [], {}
         for i, (mixer, m, ffn, f) in enumerate(layer_plan(cfg)):
@@ -493,7 +500,7 @@ class HybridTransformer(nnx.Module):
                     jax.lax.dynamic_index_in_dim(state_all, at, keepdims=False),
                     # (the buffer as the earlier layers wrote it: theirs changed, not this
                     # layer's; reading the unwritten one would keep a copy of it alive)
-                    None if pending is None else (fresh, at), defer, recurrent)
+                    (fresh, at) if fold else None, defer, recurrent)
                 # the states after the pending tokens (deferred) or after every token
                 conv_all = jax.lax.dynamic_update_index_in_dim(conv_all, conv, at, 0)
                 if kernel:  # the kernel wrote the stack in place
@@ -531,7 +538,8 @@ class HybridTransformer(nnx.Module):
             fresh = dataclasses.replace(fresh, count=jnp.zeros_like(pending.count))
         cache = HybridCache(kv=kv, conv=conv_all, state=state_all,
                             pending=cache.pending if pending is None else fresh)
-        return x, captured, cache, DeltaSteps(tokens.shape[1]) if defer else None
+        return x, captured, cache, DeltaSteps(tokens.shape[1], settle=not fold,
+                                              invariant=cfg.batch_invariant) if defer else None
 
     def logits(self, h):  # [B, T, H] final-normed -> [B, T, V] float32 (the LM head, or tied)
         w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
@@ -605,19 +613,21 @@ class HybridCache:
                 count=jnp.zeros((batch,), jnp.int32)),
         )
 
-    @jax.jit
-    def settled(self) -> HybridCache:
+    @functools.partial(jax.jit, static_argnames=("invariant",))
+    def settled(self, invariant: bool = False) -> HybridCache:
         """This cache with the pending tokens applied to the convolution and delta-rule
-        states (the recurrent rule in XLA) and none left pending: the states plain decoding
-        of the same tokens holds."""
+        states (the recurrent rule in XLA; `invariant`: the batch-invariant one, as a
+        `batch_invariant` policy's forwards run it) and none left pending: the states plain
+        decoding of the same tokens holds."""
         p = self.pending
         if not p.g.shape[2]:
             return self
+        rule = delta_rule_invariant if invariant else delta_rule_recurrent
         conv, state = [], []
         for i in range(p.g.shape[0]):
             mine = tuple(a[i] for a in p.inputs())
             conv.append(_conv_after(self.conv[i], mine[5], p.count))
-            state.append(delta_rule_recurrent(*_kept_steps(mine[:5], p.count), self.state[i])[1])
+            state.append(rule(*_kept_steps(mine[:5], p.count), self.state[i])[1])
         return dataclasses.replace(self, conv=jnp.stack(conv), state=jnp.stack(state),
                                    pending=dataclasses.replace(p, count=jnp.zeros_like(p.count)))
 
@@ -662,6 +672,11 @@ class DeltaSteps:
     pending in the cache: `commit` says how many of them each row keeps."""
 
     tokens: int = dataclasses.field(metadata=dict(static=True))
+    # the commit applies the kept tokens at once (`HybridCache.settled`) instead of leaving
+    # them to the next forward: wherever that forward would not run the kernel (see
+    # HybridTransformer.__call__), so it never has to read them
+    settle: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))  # its rule
 
     def commit(
         self,
@@ -671,11 +686,14 @@ class DeltaSteps:
         """The cache with each row's first `accepted` fed tokens pending: the row's next
         forward applies their updates to the committed states as it reads them (the later
         tokens' are skipped), then runs its own; nothing is recomputed here (docs/design.md,
-        "Hybrid policies"). `HybridCache.settled` applies them at once. The KV cache and the
+        "Hybrid policies"). With `settle` (wherever the next forward would not run the
+        kernel: CPU, a mesh, the batch-invariant rule) `HybridCache.settled` applies them at
+        once instead. The KV cache and the
         lengths are left to `jaxspec.models.cache.compact`."""
         accepted = jnp.clip(jnp.asarray(accepted, jnp.int32), 0, self.tokens)
-        return dataclasses.replace(cache, pending=dataclasses.replace(cache.pending,
-                                                                      count=accepted))
+        cache = dataclasses.replace(cache, pending=dataclasses.replace(cache.pending,
+                                                                       count=accepted))
+        return cache.settled(self.invariant) if self.settle else cache
 
 
 @functools.partial(jax.jit, static_argnames=("capture", "head", "stateless", "defer"))
