@@ -30,8 +30,14 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # projections on an H200) leaves the two unfused, writing and re-reading the product: the
 # MoE decode step at batch 1 read 1.54x its floor with it and 1.01x without it, and no
 # other inspected program moves (docs/BENCHMARKS.md, MoE). Compiled, not yet timed.
+# xla_gpu_experimental_force_split_k=1: without autotuning XLA splits the contraction of a
+# compute-bound matmul (e.g. 256 tokens x 4096 -> 4096: split 2) and writes float32 partial
+# sums that a second kernel reads back and adds. The hybrid verify k = 3 at batch 64
+# (Qwen3.5-9B shape, H100) read 33.79 GB with it and 32.52 GB (1.188x its floor) without.
+# Compiled, not yet timed (a split can add parallelism to a small matmul on the device).
 GPU_COMPILER_OPTIONS = {"xla_gpu_memory_limit_slop_factor": "200",
-                        "xla_disable_hlo_passes": "dot-strength-reduction"}
+                        "xla_disable_hlo_passes": "dot-strength-reduction",
+                        "xla_gpu_experimental_force_split_k": "1"}
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxspec_target_platform", default=None)
