@@ -14,10 +14,13 @@ from jaxspec.kernels import BACKENDS
 from jaxspec.kernels.flash import IMPLEMENTATIONS as TRAIN_ATTENTIONS
 from jaxspec.errors import FieldError
 
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_next")
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_next", "qwen3_5_moe")
 # Hybrid families: Gated DeltaNet (linear attention) layers between gated full-attention ones
-# (jaxspec.models.hybrid); qwen3_next may add experts (as qwen3_moe does).
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_next")
+# (jaxspec.models.hybrid); qwen3_next may add experts (as qwen3_moe does); qwen3_5_moe is
+# Qwen3.5's layers with experts and a gated shared expert in every layer.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+# The families whose layers may route to experts (jaxspec.models.moe).
+EXPERT_FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
 EXPERT_BACKENDS = ("ragged", "blocked", "dense")
 DTYPES = ("float32", "bfloat16")
@@ -241,7 +244,18 @@ class ModelConfig:
             bad("mlp_only_layers", layers, f"layer indices in [0, {self.num_layers})")
         if self.family == "qwen3_next" and not self.num_experts:
             return  # a dense Qwen3-Next
-        if self.family not in ("qwen3_moe", "qwen3_next"):
+        if self.family == "qwen3_5_moe":  # HF Qwen3_5MoeSparseMoeBlock in every layer
+            for name in ("num_experts", "shared_expert_intermediate_size"):
+                if getattr(self, name) < 1:
+                    bad(name, getattr(self, name), "an int >= 1 for family 'qwen3_5_moe' (every layer has "
+                        "experts and a gated shared expert)")
+            for name, value, want in (("norm_topk_prob", self.norm_topk_prob, True),
+                                      ("decoder_sparse_step", self.decoder_sparse_step, 1),
+                                      ("mlp_only_layers", layers, ())):
+                if value != want:
+                    bad(name, value, f"{want!r} for family 'qwen3_5_moe' (transformers' "
+                        "Qwen3.5-MoE renormalises the top-k and routes in every layer)")
+        if self.family not in EXPERT_FAMILIES:
             if self.num_experts:
                 bad("num_experts", self.num_experts, f"0 for family {self.family!r} (experts "
                     "need family 'qwen3_moe')", "needs family 'qwen3_moe'")
@@ -258,7 +272,7 @@ class ModelConfig:
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
         """Per layer: whether its MLP is the mixture of experts (HF Qwen3MoeDecoderLayer's rule)."""
-        if self.family not in ("qwen3_moe", "qwen3_next") or not self.num_experts:
+        if self.family not in EXPERT_FAMILIES or not self.num_experts:
             return (False,) * self.num_layers
         skip = set(self.mlp_only_layers)
         return tuple(i not in skip and (i + 1) % self.decoder_sparse_step == 0
@@ -335,7 +349,7 @@ class ModelConfig:
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                 linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
             )
-            if family == "qwen3_next":
+            if family in ("qwen3_next", "qwen3_5_moe"):
                 base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                             norm_topk_prob=True, shared_expert_intermediate_size=32)
         else:

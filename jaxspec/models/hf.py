@@ -35,9 +35,11 @@ class HFCheckpointError(ValueError):
 _ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                   "Qwen3MoeForCausalLM": "qwen3_moe",
                   # the hybrid families: config and tensor table in jaxspec.models.hybrid_hf
-                  "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3NextForCausalLM": "qwen3_next"}
+                  "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3NextForCausalLM": "qwen3_next",
+                  "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
 _MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe",
-                "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}
+                "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next",
+                "qwen3_5_moe_text": "qwen3_5_moe"}
 _FAMILY_ARCH = {v: k for k, v in _ARCHITECTURES.items()}
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 # Non-persistent buffers some older checkpoints carry; never parameters.
@@ -232,13 +234,23 @@ def config_to_hf(config: ModelConfig) -> dict:
 @dataclasses.dataclass(frozen=True)
 class _Weight:
     hf_name: str  # "{i}" stands for the layer index
-    path: tuple[str, ...]  # our param path (layer params are stacked on axis 0)
+    # our param path (layer params are stacked on axis 0); a tuple of paths where one HF
+    # tensor holds several of ours (to_ours returns, to_hf takes, one array per path)
+    path: tuple[str, ...] | tuple[tuple[str, ...], ...]
     hf_shape: Callable[[ModelConfig], tuple[int, ...]]
     to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
     to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
     when: Callable[[ModelConfig], bool] = lambda c: True
     # the layers whose checkpoint has this tensor (dense MLP vs experts); None: every layer
     kind: str | None = None  # "dense" | "sparse" | None
+
+    @property
+    def paths(self) -> tuple[tuple[str, ...], ...]:
+        return self.path if isinstance(self.path[0], tuple) else (self.path,)
+
+    def parts_to_ours(self, w: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, ...]:
+        out = self.to_ours(w, config)
+        return out if len(self.paths) > 1 else (out,)
 
     @property
     def per_layer(self) -> bool:
@@ -264,7 +276,10 @@ def _transpose(w, c):
 
 
 def _w(hf_name, path, hf_shape, to_ours=_same, to_hf=_same, when=lambda c: True, kind=None):
-    return _Weight(hf_name, tuple(path.split(".")), hf_shape, to_ours, to_hf, when, kind)
+    """path: "a.b.c", or a tuple of them (one HF tensor holding several of our params)."""
+    path = (tuple(tuple(p.split(".")) for p in path) if isinstance(path, tuple)
+            else tuple(path.split(".")))
+    return _Weight(hf_name, path, hf_shape, to_ours, to_hf, when, kind)
 
 
 def _mlp(prefix, path, width, when, kind):
@@ -514,10 +529,10 @@ def load_hf(
             for name, (w, index) in expected.items():
                 if files[name] != file:
                     continue
-                value = np.asarray(w.to_ours(f.get_tensor(name), config), dtype=np_dtype)
-                if w.path not in by_path:
-                    by_path[w.path] = np.zeros(shapes[w.path], np_dtype)
-                by_path[w.path][index] = value
+                for p, part in zip(w.paths, w.parts_to_ours(f.get_tensor(name), config)):
+                    if p not in by_path:
+                        by_path[p] = np.zeros(shapes[p], np_dtype)
+                    by_path[p][index] = np.asarray(part, dtype=np_dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract.params)
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
         targets = [shardings] * len(leaves)
@@ -648,9 +663,12 @@ def save_hf(policy: Policy, path, *, max_shard_bytes: int = 5 * 2**30, source=No
     tensors = {}
     host = {}
     for name, (w, index) in _expected(config).items():
-        if w.path not in host:
-            host[w.path] = np.asarray(jax.device_get(flat[w.path]))
-        tensors[name] = np.ascontiguousarray(w.to_hf(host[w.path][index], config))
+        for p in w.paths:
+            if p not in host:
+                host[p] = np.asarray(jax.device_get(flat[p]))
+        parts = tuple(host[p][index] for p in w.paths)
+        tensors[name] = np.ascontiguousarray(w.to_hf(parts if len(parts) > 1 else parts[0],
+                                                     config))
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

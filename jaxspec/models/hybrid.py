@@ -1,5 +1,6 @@
-"""Hybrid policies (`family: qwen3_5`, `qwen3_next`): Gated DeltaNet layers between gated
-full-attention layers, as HF `Qwen3_5ForCausalLM` / `Qwen3NextForCausalLM` compute them.
+"""Hybrid policies (`family: qwen3_5`, `qwen3_next`, `qwen3_5_moe`): Gated DeltaNet layers
+between gated full-attention layers, as HF `Qwen3_5ForCausalLM` / `Qwen3NextForCausalLM` /
+`Qwen3_5MoeForCausalLM` compute them.
 
 A layer is a token mixer then a feed-forward, each with its residual:
 - "linear_attention" (`GatedDeltaNet`): in_proj_qkv, a short depthwise causal convolution
@@ -9,8 +10,8 @@ A layer is a token mixer then a feed-forward, each with its residual:
 - "full_attention" (`GatedAttention`): GQA with QK-norm, RoPE on the first
   `partial_rotary_factor` of each head, and the output gated by sigmoid of a second half of
   q_proj's output (per head: [query | gate]);
-- the feed-forward: the SwiGLU MLP, or (qwen3_next with experts) jaxspec.models.moe's MoE
-  with its gated shared expert, per `ModelConfig.sparse_layers`.
+- the feed-forward: the SwiGLU MLP, or (qwen3_next with experts, qwen3_5_moe) the MoE of
+  jaxspec.models.moe with its gated shared expert, per `ModelConfig.sparse_layers`.
 Every RMSNorm but the gated one stores its scale as an offset from 1 (HF's zero-centred
 norm, `(x_normed * (1 + w)).to(dtype)`).
 

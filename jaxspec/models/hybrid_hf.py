@@ -1,10 +1,13 @@
-"""HF interop of the hybrid families (Qwen3_5ForCausalLM, Qwen3NextForCausalLM): their
+"""HF interop of the hybrid families (Qwen3_5ForCausalLM, Qwen3NextForCausalLM,
+Qwen3_5MoeForCausalLM): their
 config.json fields and their tensor table, which `jaxspec.models.hf` (load_hf, save_hf,
 inspect_hf) uses in place of the dense one. Every tensor maps one to one, by a reshape or a
 transpose, so an export reads back bit for bit. The MTP head's `mtp.*` tensors are skipped
 (left for the MTP drafter, issue 51)."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from jaxspec.models.config import DTYPES, LAYER_TYPES, ModelConfig
 from jaxspec.models.hf import (
@@ -18,14 +21,17 @@ from jaxspec.models.hf import (
 )
 from jaxspec.models.hybrid import layer_plan
 
-ARCHITECTURES = {"Qwen3_5ForCausalLM": "qwen3_5", "Qwen3NextForCausalLM": "qwen3_next"}
-MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}
+ARCHITECTURES = {"Qwen3_5ForCausalLM": "qwen3_5", "Qwen3NextForCausalLM": "qwen3_next",
+                 "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
+MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next",
+               "qwen3_5_moe_text": "qwen3_5_moe"}
 _FAMILY_MODEL_TYPE = {v: k for k, v in MODEL_TYPES.items()}
 # Multimodal checkpoints whose language model is one of ours (config "text_config", tensors
 # under "model.language_model."; the vision tower "model.visual.*" is skipped). An export
 # writes the text-only model.
-_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
-_MULTIMODAL_TYPES = {"qwen3_5": "Qwen3_5ForCausalLM"}
+_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+_MULTIMODAL_TYPES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 _TEXT_PREFIX = "model.language_model."
 _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
            "linear_value_head_dim", "linear_conv_kernel_dim")
@@ -81,6 +87,12 @@ def config_from_hf(hf: dict, family: str, *, dtype: str | None,
     experts = {}
     if family == "qwen3_next" and hf.get("num_experts", 512):  # transformers' default is 512
         experts = _experts_from_hf({**hf, "num_experts": hf.get("num_experts", 512)})
+    elif family == "qwen3_5_moe":  # every layer sparse, the top-k renormalised, whatever
+        # the file says of decoder_sparse_step / mlp_only_layers / norm_topk_prob (unread)
+        hf = {key: value for key, value in hf.items()
+              if key not in ("decoder_sparse_step", "mlp_only_layers")}
+        experts = _experts_from_hf({**hf, "norm_topk_prob": True})
+        hf.setdefault("intermediate_size", experts["moe_intermediate_size"])  # no dense MLP
     try:
         return ModelConfig(
             vocab_size=_positive_int(hf, "vocab_size"),
@@ -109,7 +121,8 @@ def config_from_hf(hf: dict, family: str, *, dtype: str | None,
 
 
 def config_to_hf(config: ModelConfig) -> dict:
-    """config.json that transformers 5 reads as Qwen3_5ForCausalLM / Qwen3NextForCausalLM."""
+    """config.json that transformers 5 reads as Qwen3_5ForCausalLM / Qwen3NextForCausalLM /
+    Qwen3_5MoeForCausalLM."""
     arch = next(a for a, f in ARCHITECTURES.items() if f == config.family)
     ours = dict(num_hidden_layers="num_layers", num_attention_heads="num_heads",
                 num_key_value_heads="num_kv_heads", tie_word_embeddings="tie_embeddings")
@@ -136,6 +149,12 @@ def config_to_hf(config: ModelConfig) -> dict:
                   decoder_sparse_step=config.decoder_sparse_step,
                   mlp_only_layers=list(config.mlp_only_layers), output_router_logits=False,
                   router_aux_loss_coef=0.001)
+    elif config.family == "qwen3_5_moe":  # Qwen3_5MoeTextConfig: no dense MLP width
+        del hf["intermediate_size"]
+        hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                  moe_intermediate_size=config.moe_intermediate_size,
+                  shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                  output_router_logits=False, router_aux_loss_coef=0.001)
     return hf
 
 
@@ -169,6 +188,14 @@ def _next(c):
 
 def _not_next(c):
     return c.family != "qwen3_next"
+
+
+def _fused(c):  # a Qwen3.5-MoE checkpoint may hold each layer's experts as 3D tensors
+    return c.family == "qwen3_5_moe"
+
+
+def _experts_t(w, c):  # HF [E, out, in] <-> ours [E, in, out]
+    return w.transpose(0, 2, 1)
 
 
 _WEIGHTS = (
@@ -241,6 +268,17 @@ _WEIGHTS = (
        _transpose, _transpose, kind="moes"),
     *_mlp(_L + "mlp.experts.{j}.", "moes.moe", lambda c: c.moe_intermediate_size,
           lambda c: True, "moes"),
+    # or (qwen3_5_moe, transformers' in-memory layout, which it also reads from a file; it
+    # writes the per-expert names above) gate_up_proj [E, 2I, H] (gate rows first) <-> ours
+    # gate_proj and up_proj [E, H, I]; down_proj [E, H, I] <-> ours [E, I, H]
+    _w(_L + "mlp.experts.gate_up_proj", ("moes.moe.gate_proj", "moes.moe.up_proj"),
+       lambda c: (c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size),
+       lambda w, c: tuple(_experts_t(h, c) for h in np.split(w, 2, axis=1)),
+       lambda parts, c: np.concatenate([_experts_t(h, c) for h in parts], axis=1),
+       when=_fused, kind="moes"),
+    _w(_L + "mlp.experts.down_proj", "moes.moe.down_proj",
+       lambda c: (c.num_experts, c.hidden_size, c.moe_intermediate_size),
+       _experts_t, _experts_t, when=_fused, kind="moes"),
     *_mlp(_L + "mlp.shared_expert.", "moes.moe.shared_expert",
           lambda c: c.shared_expert_intermediate_size,
           lambda c: c.shared_expert_intermediate_size > 0, "moes"),
@@ -252,21 +290,23 @@ _WEIGHTS = (
 
 def expected(config: ModelConfig, names=()) -> dict:
     """HF tensor name -> (table entry, its index in our stacked param) for this config; the
-    multimodal layout's names where the checkpoint's `names` are under "model.language_model."."""
+    multimodal layout's names where the checkpoint's `names` are under "model.language_model.",
+    the fused experts' where they have those (else, and for an export, one tensor per expert)."""
     multimodal = any(n.startswith(_TEXT_PREFIX) for n in names)
+    fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
     out = {}
-    for name, entry in _text_expected(config).items():
+    for name, entry in _text_expected(config, fused).items():
         if multimodal and name.startswith("model."):
             name = _TEXT_PREFIX + name[len("model."):]
         out[name] = entry
     return out
 
 
-def _text_expected(config: ModelConfig) -> dict:
+def _text_expected(config: ModelConfig, fused: bool) -> dict:
     out = {}
     plan = layer_plan(config)
     for w in _WEIGHTS:
-        if not w.when(config):
+        if not w.when(config) or (w.per_expert and fused) or (w.when is _fused and not fused):
             continue
         if w.kind is None:
             out[w.hf_name] = (w, ())

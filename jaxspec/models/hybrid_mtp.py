@@ -53,6 +53,9 @@ class HybridMTPConfig:
             raise ValueError(f"HybridMTPConfig: family {self.trunk.family!r} is not a hybrid "
                              "family (qwen3_5, qwen3_next); DeepSeek-V3 / MiMo-style heads are "
                              "jaxspec.models.mtp.MTPHead")
+        if self.trunk.family == "qwen3_5_moe":
+            raise ValueError("HybridMTPConfig: family 'qwen3_5_moe' has no MTP head yet "
+                             "(its fused expert tensors); valid: qwen3_5, qwen3_next")
 
     @property
     def layer(self) -> ModelConfig:

@@ -242,7 +242,7 @@ def test_unsupported_architecture(ckpt):
     _edit_config(ckpt, architectures=["MistralForCausalLM"], model_type="mistral")
     with pytest.raises(UnsupportedModelError, match=r"\['MistralForCausalLM'\].*supported: "
                        r"\['LlamaForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', "
-                       r"'Qwen3NextForCausalLM', 'Qwen3_5ForCausalLM'\]"):
+                       r"'Qwen3NextForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5MoeForCausalLM'\]"):
         load_hf(ckpt)
 
 
