@@ -156,7 +156,8 @@ def _checked(policy, prompts, drafter, sampling, max_new_tokens, key, stop_token
         capture=tuple(drafter.capture_layers), defer=defer,
         window=adaptive.window if adaptive is not None else 0, refill_hook=hook, row_axes=refill_axes)
     inp = LoopInputs(
-        policy=with_verify_buffer(decoding_policy(policy), nodes), drafter=drafter, prompt_tokens=jnp.asarray(tokens),
+        policy=with_verify_buffer(decoding_policy(policy), nodes), drafter=drafter,
+        prompt_tokens=jnp.asarray(tokens),
         prompt_lengths=jnp.asarray(prompt_lengths), sampling=sampling, key=key,
         stops=jnp.asarray(stops or [-1], jnp.int32), rows=jnp.asarray(rows, jnp.int32),
         order=jnp.asarray(order, jnp.int32), adaptive=adaptive, variants=variants,

@@ -8,9 +8,10 @@ keeping what the verdict accepted (`keep_accepted`), a prefilled row written int
 refills and cache growth). A hybrid verify of k drafts defers its states
 (`HybridPolicy.forward(defer_state=True)`: it applies the row's pending tokens and keeps its
 own pending) and `keep_accepted` keeps the root and the accepted drafts pending
-(`DeltaSteps.commit`), which the row's next forward applies as it reads the states: what
-plain decoding of the same tokens holds, with the states read and written once per
-iteration (docs/design.md, "Hybrid policies").
+(`DeltaSteps.commit`), which the row's next forward applies as it reads the states (where
+the recurrent kernel runs: the states read and written once per iteration), or applies them
+at once elsewhere (CPU, a mesh, the batch-invariant rule: `DeltaSteps.settle`): either way
+what plain decoding of the same tokens holds (docs/design.md, "Hybrid policies").
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def keep_accepted(
 ):
     """The cache after a verify holding exactly the kept entries: the KV compacted
     (`jaxspec.models.compact`), and a hybrid's kept entries (the root and the accepted
-    drafts) left pending: the row's next forward applies them to its states, which then
-    hold what a plain decode of them would leave."""
+    drafts) committed (`DeltaSteps.commit`: left pending for the row's next forward, or
+    applied at once where it settles); the states then hold what a plain decode of them
+    would leave."""
     if not isinstance(cache, HybridCache):
         return compact(cache, kept, num_fed=num_fed, fed_mask=fed_mask, prefix=prefix)
     cache = dataclasses.replace(

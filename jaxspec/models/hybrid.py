@@ -624,12 +624,14 @@ class HybridCache:
         if not p.g.shape[2]:
             return self
         rule = delta_rule_invariant if invariant else delta_rule_recurrent
-        conv, state = [], []
-        for i in range(p.g.shape[0]):
-            mine = tuple(a[i] for a in p.inputs())
-            conv.append(_conv_after(self.conv[i], mine[5], p.count))
-            state.append(rule(*_kept_steps(mine[:5], p.count), self.state[i])[1])
-        return dataclasses.replace(self, conv=jnp.stack(conv), state=jnp.stack(state),
+        conv, state = self.conv, self.state
+        for at in range(p.g.shape[0]):  # updated layer by layer (a stack of per-layer
+            # results is a copy of all the states); at a constant index, which CPU runs at
+            # the stack's speed and the forward's traced one (optimization_barrier) at 2x
+            mine = tuple(a[at] for a in p.inputs())
+            conv = conv.at[at].set(_conv_after(conv[at], mine[5], p.count))
+            state = state.at[at].set(rule(*_kept_steps(mine[:5], p.count), state[at])[1])
+        return dataclasses.replace(self, conv=conv, state=state,
                                    pending=dataclasses.replace(p, count=jnp.zeros_like(p.count)))
 
 
